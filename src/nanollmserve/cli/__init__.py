@@ -1,0 +1,1 @@
+"""The `nanollmserve` command line: one entry point, one module per subcommand."""

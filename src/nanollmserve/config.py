@@ -1,0 +1,102 @@
+"""EngineConfig: the one flat configuration of an engine. Field names are the CLI flags.
+
+`nanollmserve serve --max-num-seqs 32` and `LLM(max_num_seqs=32)` set the same field; the CLI
+builds its engine flags from this dataclass (see `add_engine_args`), so a new field is a new
+flag with no other change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields
+
+from nanollmserve.errors import UserError
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    """Model to load: a local HF directory, a *.gguf file, or empty for the bundled model."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens (default: the model's context, capped at 8192)."""
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one engine step; longer prefills are chunked to fit."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    num_kv_blocks: int | None = None
+    """Number of KV cache blocks (overrides --kv-cache-memory)."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache (default: 1 GiB on CPU, 90% of free memory on CUDA)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes."""
+    seed: int = 0
+    """Seed of the sampler for requests that do not set their own."""
+    compile: bool = False
+    """torch.compile the model forward (slower start, faster steps)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be >= 1, got {value}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    """Add one flag per EngineConfig field (booleans that default to True get --no-X)."""
+    for f in fields(EngineConfig):
+        default = f.default if f.default is not MISSING else None
+        doc = _FIELD_DOCS.get(f.name, "").replace("%", "%%")
+        if f.name == "model":
+            if model_positional:
+                parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=doc)
+            parser.add_argument("--model", default=None, help=doc)
+        elif f.type == "bool" and default is True:
+            parser.add_argument(
+                _flag("no_" + f.name.removeprefix("enable_")),
+                dest=f.name,
+                action="store_false",
+                help=f"Disable: {doc[0].lower()}{doc[1:]}",
+            )
+        elif f.type == "bool":
+            parser.add_argument(_flag(f.name), dest=f.name, action="store_true", help=doc)
+        else:
+            kind = int if "int" in f.type else str
+            parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default, help=doc)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if getattr(args, "model_pos", None):
+        if values.get("model") and values["model"] != args.model_pos:
+            raise UserError("give the model once: positional MODEL or --model, not both")
+        values["model"] = args.model_pos
+    return EngineConfig(**values)
+
+
+def _field_docs() -> dict[str, str]:
+    """Attribute docstrings of EngineConfig, used as the CLI help of each flag."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(EngineConfig)).body[0].body
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+_FIELD_DOCS = _field_docs()

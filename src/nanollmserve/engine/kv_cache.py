@@ -1,0 +1,220 @@
+"""KV block bookkeeping: the block pool, per-request block tables and the prefix cache.
+
+The KV tensors themselves live in the model runner; this file only decides which block ids a
+request owns. A block is `block_size` token slots. Requests grow block by block and give every
+block back the moment they finish, are aborted or preempted.
+
+Prefix caching: a full block is named by a hash chained over its parent's hash and its own
+token ids, so equal hashes mean equal prefixes. Full blocks are registered as soon as the step
+that computes them is scheduled (the whole batch writes its K/V before any attention reads,
+so a request scheduled later in the same step may already reuse them). A freed block keeps its
+hash and stays findable until the pool needs it for something else: free blocks form an LRU
+queue, evicted from the front.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nanollmserve.engine.request import Request
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "key")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.key: tuple | None = None  # (parent hash, token ids): rules out hash collisions
+
+
+class BlockPool:
+    """All blocks, the free LRU queue and the hash -> block map of cached full blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached_blocks: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        blocks = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # evict: its content is about to be overwritten
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = block.key = None
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cache hits, reviving blocks that were free."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop a reference; pass a request's blocks tail first so its tail is evicted first."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int, key: tuple) -> KVBlock | None:
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.key != key:
+            return None
+        return block
+
+    def register(self, block: KVBlock, block_hash: int, key: tuple) -> None:
+        if block.block_hash is not None or block_hash in self.cached_blocks:
+            return  # already cached, or an equal block computed by another request is
+        block.block_hash = block_hash
+        block.key = key
+        self.cached_blocks[block_hash] = block
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    """Blocks holding a prefix-cache entry (in use or free but still findable)."""
+    allocated_tokens: int
+    """Token slots holding a token of a running request."""
+    reserved_tokens: int
+    """Token slots in the blocks in use (allocated + the empty tail of each last block)."""
+    peak_used_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def internal_fragmentation(self) -> float:
+        if not self.reserved_tokens:
+            return 0.0
+        return 1.0 - self.allocated_tokens / self.reserved_tokens
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_num_tokens: dict[str, int] = {}  # tokens whose slots the request holds
+        self.req_num_registered: dict[str, int] = {}  # leading blocks already in the cache
+        self.peak_used_blocks = 0
+        self.prefix_cache_queries = 0  # tokens looked up (first scheduling of a request)
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached full blocks that prefixes the request's tokens.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_block_hashes(request, max_blocks)
+        hits = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(request.block_hashes[i], self._block_key(request, i))
+            if block is None:
+                break
+            hits.append(block)
+        if request.num_preemptions == 0:  # a resumed request recomputes; that is no hit
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
+    ) -> bool:
+        """Give the request slots for `num_new_tokens` more tokens after its computed ones
+        (and after `computed_blocks`, cache hits it takes on now). False if the pool is short."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_tokens = num_computed + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(list(computed_blocks))
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        self.req_num_tokens[request.request_id] = num_tokens
+        if computed_blocks:  # a fresh request: its cache hits are its first blocks
+            self.req_num_registered[request.request_id] = len(computed_blocks)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, blocks, num_tokens)
+        used = self.num_blocks - self.pool.num_free_blocks
+        self.peak_used_blocks = max(self.peak_used_blocks, used)
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(list(reversed(blocks)))
+        self.req_num_tokens.pop(request.request_id, None)
+        self.req_num_registered.pop(request.request_id, None)
+
+    def stats(self) -> KVCacheStats:
+        used = self.num_blocks - self.pool.num_free_blocks
+        reserved = used * self.block_size
+        empty_tails = sum(
+            len(self.req_blocks[rid]) * self.block_size - n
+            for rid, n in self.req_num_tokens.items()
+        )
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_used_blocks=used,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_cached_blocks=len(self.pool.cached_blocks),
+            allocated_tokens=reserved - empty_tails,
+            reserved_tokens=reserved,
+            peak_used_blocks=self.peak_used_blocks,
+        )
+
+    def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int):
+        num_full = num_tokens // self.block_size
+        start = self.req_num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._extend_block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], request.block_hashes[i], self._block_key(request, i))
+        self.req_num_registered[request.request_id] = num_full
+
+    def _block_key(self, request: Request, index: int) -> tuple:
+        """(parent block's hash, this block's token ids): what the block's hash is made of."""
+        start = index * self.block_size
+        parent = request.block_hashes[index - 1] if index else 0
+        return parent, tuple(request.all_token_ids[start : start + self.block_size])
+
+    def _extend_block_hashes(self, request: Request, num_blocks: int) -> None:
+        while len(request.block_hashes) < num_blocks:
+            request.block_hashes.append(hash(self._block_key(request, len(request.block_hashes))))

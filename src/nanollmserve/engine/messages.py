@@ -1,0 +1,44 @@
+"""The typed messages at the frontend/engine seam: token ids in, token ids out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanollmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the frontend hands the engine: token ids and how to sample, nothing else."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: the sampled token first, then the top alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: a new token, and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

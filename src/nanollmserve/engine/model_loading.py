@@ -1,0 +1,47 @@
+"""Everything the engine needs to start from `--model`, `--device` and `--dtype`: the weights
+source, the device and dtype, the model config and the native model with its weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nanollmserve.config import EngineConfig
+from nanollmserve.model.device import resolve_device, resolve_dtype
+from nanollmserve.model.loader import load_model
+from nanollmserve.model.model_config import ModelConfig
+from nanollmserve.model.source import ModelSource, resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model_config: ModelConfig
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+    @property
+    def model_dir(self) -> Path:
+        """The HF directory the weights, tokenizer and chat template come from."""
+        return self.source.path
+
+
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    start = time.perf_counter()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source = resolve_model(config.model)
+    model_config = ModelConfig.from_pretrained(source.path)
+    model = load_model(source.path, model_config, dtype, device)
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s) in %.1f s", source.description, device, dtype, seconds)
+    return LoadedModel(source, model_config, model, device, dtype, seconds)

@@ -1,0 +1,228 @@
+"""The model runner: owns the model and the KV tensors, turns a scheduled batch into tensors,
+runs the forward pass and samples. It makes no decisions: the scheduler already has.
+
+One KV allocation is made at start: `[2, num_layers, num_blocks, block_size, kv_heads,
+head_dim]`; each attention layer gets views of its K and V planes. Per step it builds the flat
+batch (input ids, positions, slot mapping, block tables) with tensor ops over requests, never
+a Python loop over tokens, sets the attention context, runs the model on the flat batch,
+computes logits only at the positions that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanollmserve.engine.kv_cache import KVCacheManager
+from nanollmserve.engine.messages import TokenLogprobs
+from nanollmserve.engine.request import Request
+from nanollmserve.engine.scheduler import SampledToken, SchedulerOutput
+from nanollmserve.layers.attention import PagedAttention
+from nanollmserve.layers.attention_context import (
+    AttentionContext,
+    PrefillSpan,
+    reset_context,
+    set_context,
+)
+from nanollmserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        first = self.attention_layers[0]
+        self.kv_cache = torch.zeros(
+            2,
+            len(self.attention_layers),
+            num_blocks,
+            block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        self.sampler = Sampler(seed=seed, device=device)
+
+    @torch.inference_mode()
+    def execute_model(
+        self, scheduled: SchedulerOutput, kv_cache: KVCacheManager
+    ) -> list[SampledToken | None]:
+        input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(
+            scheduled, kv_cache
+        )
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        if not sample_rows:
+            return [None] * len(scheduled.requests)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sample_requests = [scheduled.requests[i] for i in sample_rows]
+        meta = self._sampling_metadata(sample_requests, logits.shape[1])
+        sampled = self.sampler(logits, meta)
+        results: list[SampledToken | None] = [None] * len(scheduled.requests)
+        for row, token in zip(
+            sample_rows, _to_sampled_tokens(sampled, sample_requests), strict=True
+        ):
+            results[row] = token
+        return results
+
+    def _prepare_inputs(self, scheduled: SchedulerOutput, kv_cache: KVCacheManager):
+        requests, num_new = scheduled.requests, scheduled.num_new_tokens
+        starts = [r.num_computed_tokens for r in requests]
+        token_ids: list[int] = []
+        for request, start, n in zip(requests, starts, num_new, strict=True):
+            token_ids.extend(request.all_token_ids[start : start + n])
+
+        bs = self.block_size
+        lens = torch.tensor(num_new)
+        ctx_lens = torch.tensor(starts) + lens
+        ends = torch.cumsum(lens, 0)
+        request_of_token = torch.repeat_interleave(torch.arange(len(requests)), lens)
+        positions = torch.arange(len(token_ids)) - (ends - ctx_lens)[request_of_token]
+        tables = [kv_cache.block_ids(r.request_id) for r in requests]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        slot_mapping = block_tables[request_of_token, positions // bs] * bs + positions % bs
+
+        num_decodes = 0
+        while num_decodes < len(num_new) and num_new[num_decodes] == 1:
+            num_decodes += 1
+        context = AttentionContext(
+            slot_mapping=slot_mapping.to(self.device), num_decode_tokens=num_decodes
+        )
+        if num_decodes:
+            decode_lens = ctx_lens[:num_decodes]
+            num_blocks = -(-int(decode_lens.max()) // bs)
+            key_pos = torch.arange(num_blocks * bs)
+            mask = key_pos[None, :] < decode_lens[:, None]
+            context.decode_block_tables = block_tables[:num_decodes, :num_blocks].to(self.device)
+            context.decode_mask = mask.view(num_decodes, 1, 1, -1).to(self.device)
+        ends_list = ends.tolist()
+        for i in range(num_decodes, len(requests)):
+            query_end = ends_list[i]
+            query_start = query_end - num_new[i]
+            if starts[i] == 0:
+                context.prefills.append(PrefillSpan(query_start, query_end, num_new[i]))
+            else:
+                ctx_len = starts[i] + num_new[i]
+                block_ids = block_tables[i, : -(-ctx_len // bs)].to(self.device)
+                context.prefills.append(
+                    PrefillSpan.over_cache(query_start, query_end, ctx_len, block_ids)
+                )
+        set_context(context)
+
+        sample_rows = [
+            i
+            for i, (r, start, n) in enumerate(zip(requests, starts, num_new, strict=True))
+            if start + n == r.num_tokens
+        ]
+        logits_indices = torch.tensor([ends_list[i] - 1 for i in sample_rows], device=self.device)
+        input_ids_t = torch.tensor(token_ids, device=self.device)
+        return input_ids_t, positions.to(self.device), sample_rows, logits_indices
+
+    def _sampling_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
+        params = [r.sampling_params for r in requests]
+        dev = self.device
+        meta = SamplingMetadata(
+            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            all_greedy=all(p.is_greedy for p in params),
+        )
+        if any(p.top_k > 0 for p in params):
+            meta.top_k = torch.tensor([p.top_k for p in params], device=dev)
+            meta.max_top_k = max(p.top_k for p in params)
+        if any(p.top_p < 1.0 for p in params):
+            meta.top_p = torch.tensor([p.top_p for p in params], device=dev)
+        if any(p.min_p > 0.0 for p in params):
+            meta.min_p = torch.tensor([p.min_p for p in params], device=dev)
+        for row, (request, p) in enumerate(zip(requests, params, strict=True)):
+            if p.seed is not None and not p.is_greedy:
+                if request.generator is None:
+                    request.generator = torch.Generator(device=dev)
+                    request.generator.manual_seed(p.seed)
+                meta.generators[row] = request.generator
+        meta.penalties = _penalties(requests, vocab_size, dev)
+        bias = [
+            (row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()
+        ]
+        if bias:
+            rows, tokens, values = zip(*bias, strict=True)
+            meta.bias_index = (torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev))
+            meta.bias_values = torch.tensor(values, device=dev)
+        blocked = [
+            (row, t)
+            for row, (r, p) in enumerate(zip(requests, params, strict=True))
+            if r.num_output_tokens < p.min_tokens
+            for t in sorted(r.eos_token_ids | set(p.stop_token_ids))
+        ]
+        if blocked:
+            rows, tokens = zip(*blocked, strict=True)
+            meta.blocked_index = (torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            meta.max_num_logprobs = max(wanted)
+        return meta
+
+
+def _penalties(requests: list[Request], vocab_size: int, device) -> Penalties | None:
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
+    if not rows:
+        return None
+    prompts = [requests[i].prompt_token_ids for i in rows]
+    outputs = [requests[i].output_token_ids for i in rows]
+    params = [requests[i].sampling_params for i in rows]
+
+    def padded(seqs: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(s) for s in seqs))
+        return torch.tensor([s + [vocab_size] * (width - len(s)) for s in seqs], device=device)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, device=device)[:, None]
+
+    return Penalties(
+        rows=torch.tensor(rows, device=device),
+        prompt_ids=padded(prompts),
+        output_ids=padded(outputs),
+        repetition=column([p.repetition_penalty for p in params]),
+        presence=column([p.presence_penalty for p in params]),
+        frequency=column([p.frequency_penalty for p in params]),
+    )
+
+
+def _to_sampled_tokens(out: SamplerOutput, requests: list[Request]) -> list[SampledToken]:
+    """The step's one host sync: move the sampled ids (and logprobs) to Python."""
+    token_ids = out.token_ids.tolist()
+    if out.logprobs is None:
+        return [SampledToken(t) for t in token_ids]
+    logprobs, lp_ids, ranks = (
+        out.logprobs.tolist(),
+        out.logprob_token_ids.tolist(),
+        out.ranks.tolist(),
+    )
+    tokens = []
+    for i, (request, token_id) in enumerate(zip(requests, token_ids, strict=True)):
+        k = request.sampling_params.logprobs
+        entry = None
+        if k is not None:
+            entry = TokenLogprobs(
+                token_ids=lp_ids[i][: 1 + k],
+                logprobs=logprobs[i][: 1 + k],
+                ranks=[ranks[i]] + list(range(1, k + 1)),
+            )
+        tokens.append(SampledToken(token_id, entry))
+    return tokens

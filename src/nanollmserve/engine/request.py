@@ -1,0 +1,84 @@
+"""The engine's view of one request: token ids, progress counters and status.
+
+Progress is a counter, not a phase: `num_computed_tokens` says how many of the request's
+tokens have their K/V in the cache. Whatever is left (`num_tokens - num_computed_tokens`) is
+what the scheduler may run next: the whole prompt, a chunk of it, one decode token, or all of
+it again after a preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from nanollmserve.engine.messages import EngineCoreRequest
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(self, core_request: EngineCoreRequest, eos_token_ids: set[int], max_tokens: int):
+        self.request_id = core_request.request_id
+        self.prompt_token_ids = list(core_request.prompt_token_ids)
+        self.sampling_params = core_request.sampling_params
+        self.arrival_time = core_request.arrival_time or time.time()
+        self.eos_token_ids = set() if self.sampling_params.ignore_eos else eos_token_ids
+        self.max_tokens = max_tokens
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks, grown lazily
+        self.first_scheduled_time: float | None = None
+        # Set by the model runner on first use, on its device (seeded requests only).
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,83 @@
+"""From what a user sends (text, token ids, chat messages) to EngineCoreRequests.
+
+Validation that needs the tokenizer or the model's limits happens here, before anything
+reaches the engine, and raises `ValueError` with the numbers involved, which the server turns
+into a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return None, token_ids
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> list[EngineCoreRequest]:
+        """One engine request per completion (`n`); child i of a seeded request uses seed + i."""
+        self.validate(prompt_token_ids, params)
+        arrival_time = arrival_time or time.time()
+        if params.n == 1:
+            return [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time)]
+        requests = []
+        for i in range(params.n):
+            child_params = dataclasses.replace(params, n=1)
+            if params.seed is not None:
+                child_params.seed = params.seed + i
+            requests.append(
+                EngineCoreRequest(
+                    child_id(request_id, i), prompt_token_ids, child_params, arrival_time
+                )
+            )
+        return requests
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt has {num_prompt} tokens, leaving no room for output."
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
+                f"prompt, {params.max_tokens} for the completion). Please reduce the prompt or "
+                f"max_tokens."
+            )
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids has token id {bad[0]} outside the vocabulary")
+
+
+def child_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"

@@ -1,0 +1,219 @@
+"""From engine outputs (token ids) to RequestOutputs (text), one state per request.
+
+A request asking for `n` completions runs in the engine as `n` child requests; their
+outputs are gathered here into one RequestOutput with `n` CompletionOutputs. Each child has
+an incremental detokenizer; stop strings are found here, in text, across token boundaries,
+and a child that hits one is reported back so the caller aborts it in the engine. While a
+child runs, its visible text holds back the last `len(longest stop) - 1` characters, which
+might still turn out to be the start of a stop string, so streamed deltas never have to be
+taken back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from nanollmserve.engine.messages import EngineCoreOutput, TokenLogprobs
+from nanollmserve.frontend.detokenizer import IncrementalDetokenizer
+from nanollmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanollmserve.sampling_params import SamplingParams
+
+
+class ChildState:
+    """One completion: its tokens, its text so far, and why it stopped."""
+
+    def __init__(self, index: int, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens
+        )
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def add(self, out: EngineCoreOutput) -> bool:
+        """Take one engine output; True when a stop string finished this child here."""
+        text_len_before = len(self.text)
+        for i, token_id in enumerate(out.new_token_ids):
+            self.token_ids.append(token_id)
+            self.text += self.detokenizer.add_token(token_id)
+            if self.logprobs is not None and out.new_logprobs:
+                self._add_logprobs(out.new_logprobs[i])
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        if self.params.stop and self._find_stop_string(text_len_before):
+            return not out.finished
+        return False
+
+    def visible_text(self) -> str:
+        if self.finish_reason is None and self.max_stop_len > 1:
+            return self.text[: max(0, len(self.text) - (self.max_stop_len - 1))]
+        return self.text
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.visible_text(),
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+    def _find_stop_string(self, text_len_before: int) -> bool:
+        # A new match must end in the new text, so it starts at most len(stop) - 1 before it.
+        search_from = max(0, text_len_before - self.max_stop_len + 1)
+        best = None
+        for stop in self.params.stop:
+            at = self.text.find(stop, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return False
+        at, stop = best
+        end = at + len(stop) if self.params.include_stop_str_in_output else at
+        self.text = self.text[:end]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def _add_logprobs(self, entry: TokenLogprobs) -> None:
+        decoded = {}
+        for token_id, logprob, rank in zip(
+            entry.token_ids, entry.logprobs, entry.ranks, strict=True
+        ):
+            if token_id not in decoded:
+                text = self.tokenizer.decode([token_id])
+                decoded[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
+        self.logprobs.append(decoded)
+        self.cumulative_logprob += entry.logprobs[0]
+
+
+@dataclass
+class RequestState:
+    """One user request (a parent of `n` children) and its metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[ChildState]
+    metrics: RequestMetrics
+    child_ids: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.to_output() for c in self.children],
+            finished=self.finished,
+            num_cached_tokens=self.metrics.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    """One per request that changed this step."""
+    child_ids_to_abort: list[str]
+    """Children that hit a stop string: the caller aborts them in the engine."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        child_ids: list[str],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        children = [
+            ChildState(i, self.tokenizer, prompt_token_ids, params) for i in range(len(child_ids))
+        ]
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            children=children,
+            metrics=RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids)),
+            child_ids=list(child_ids),
+        )
+        self.requests[request_id] = state
+        for i, child_id in enumerate(child_ids):
+            self.child_to_parent[child_id] = (state, i)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def process_outputs(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        to_abort = []
+        for out in engine_outputs:
+            entry = self.child_to_parent.get(out.request_id)
+            if entry is None:
+                continue  # already finished here (e.g. stopped by a stop string)
+            state, index = entry
+            child = state.children[index]
+            if child.add(out):
+                to_abort.append(out.request_id)
+            self._update_metrics(state.metrics, out, now, first_child=index == 0)
+            if child.finish_reason is not None:
+                del self.child_to_parent[out.request_id]
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request_id]
+            results.append(state.to_output())
+        return ProcessedOutputs(results, to_abort)
+
+    def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
+        """Finish a request as aborted; returns its running children's ids (to abort in the
+        engine) and its final output."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return [], None
+        running = []
+        for child_id, child in zip(state.child_ids, state.children, strict=True):
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+                running.append(child_id)
+            self.child_to_parent.pop(child_id, None)
+        state.metrics.finished_time = time.time()
+        return running, state.to_output()
+
+    @staticmethod
+    def _update_metrics(m: RequestMetrics, out: EngineCoreOutput, now: float, first_child: bool):
+        if out.first_scheduled_time is not None and (
+            m.first_scheduled_time is None or out.first_scheduled_time < m.first_scheduled_time
+        ):
+            m.first_scheduled_time = out.first_scheduled_time
+        if out.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.num_generation_tokens += len(out.new_token_ids)
+        if first_child:
+            m.num_cached_tokens = out.num_cached_tokens
+            m.num_preemptions = out.num_preemptions

@@ -1,0 +1,65 @@
+"""Loading the tokenizer and turning chat messages into prompt token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanollmserve.errors import UserError
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_chat_template(path: str | None) -> str | None:
+    """Read a `--chat-template FILE` override (a Jinja template)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read chat template {path}: {exc.strerror}") from exc
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Turn OpenAI-style content (a string or a list of text parts) into plain strings;
+    `developer` is the newer name of `system`."""
+    normalized = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError("messages: each message needs a role")
+        role = message["role"]
+        if role == "developer":
+            role = "system"
+        content = message.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                    raise ValueError("messages: only text content parts are supported")
+                parts.append(part.get("text", ""))
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ValueError("messages: content must be a string or a list of text parts")
+        normalized.append({"role": role, "content": content})
+    return normalized
+
+
+def chat_prompt_token_ids(
+    tokenizer, messages: list[dict], chat_template: str | None = None
+) -> list[int]:
+    """Render the conversation with the chat template (plus the assistant prefix) and
+    tokenize it; the template already writes the special tokens it needs."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; pass --chat-template FILE")
+    text = tokenizer.apply_chat_template(
+        normalize_messages(messages),
+        chat_template=chat_template,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)

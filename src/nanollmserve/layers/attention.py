@@ -1,0 +1,84 @@
+"""Attention over the paged KV cache.
+
+Each layer owns views `k_cache` / `v_cache` of shape `[num_blocks, block_size, kv_heads,
+head_dim]` into the one KV allocation made by the model runner. A forward does two things:
+
+1. write the new tokens' K/V into their slots (`slot_mapping`, one slot per token);
+2. attend: decode tokens read their whole context through their block tables in one batched
+   SDPA call; each prefill span reads its cached prefix (if any) plus its own tokens, causally.
+
+Reading through whole blocks (`index_select` on block ids) copies large contiguous rows, which
+on CPU is several times cheaper than gathering token by token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanollmserve.layers.attention_context import get_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.group_size = num_heads // num_kv_heads
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, heads*dim]."""
+        ctx = get_context()
+        has_cache = self.k_cache.numel() > 0
+        if has_cache and ctx.slot_mapping is not None:
+            self._store(k, v, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = ctx.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], ctx)
+        for span in ctx.prefills:
+            s, e = span.query_start, span.query_end
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], span)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(kv_shape).index_copy_(0, slot_mapping, k)
+        self.v_cache.view(kv_shape).index_copy_(0, slot_mapping, v)
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]."""
+        rows = cache.index_select(0, block_ids.reshape(-1))
+        rows = rows.view(*block_ids.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        return rows.transpose(-3, -2)
+
+    def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        # Grouped-query trick: the query heads that share a KV head become that head's
+        # "query length", so K/V are never repeated: [D, kv_heads, group, head_dim].
+        num_decodes = q.shape[0]
+        q = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
+        k = self._gather(self.k_cache, ctx.decode_block_tables)
+        v = self._gather(self.v_cache, ctx.decode_block_tables)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=self.scale)
+        return out.reshape(num_decodes, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, span) -> torch.Tensor:
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, dim]
+        if span.block_ids is None:
+            k = k.transpose(0, 1).unsqueeze(0)
+            v = v.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            k = self._gather(self.k_cache, span.block_ids)[:, : span.context_len].unsqueeze(0)
+            v = self._gather(self.v_cache, span.block_ids)[:, : span.context_len].unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
+            )
+        return out.squeeze(0).transpose(0, 1)

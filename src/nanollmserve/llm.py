@@ -1,0 +1,121 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...)) -> list[RequestOutput]`.
+
+It drives the same EngineCore as the server, synchronously: add every request, step the
+engine until all are done, return the outputs in prompt order. `LLM.chat` applies the model's
+chat template first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from nanollmserve.config import EngineConfig
+from nanollmserve.engine.engine_core import EngineCore
+from nanollmserve.frontend.input_processor import InputProcessor
+from nanollmserve.frontend.output_processor import OutputProcessor
+from nanollmserve.frontend.tokenizer import chat_prompt_token_ids, load_tokenizer
+from nanollmserve.outputs import RequestOutput
+from nanollmserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.engine.loaded.model_dir)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); one RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenized = [
+            (None, chat_prompt_token_ids(self.tokenizer, conv, chat_template))
+            for conv in conversations
+        ]
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def _run(self, tokenized, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        params_list = _as_params_list(sampling_params, len(tokenized))
+        order: dict[str, int] = {}
+        staged = []
+        for (prompt, token_ids), params in zip(tokenized, params_list, strict=True):
+            request_id = str(next(self._request_counter))
+            children = self.input_processor.make_requests(request_id, token_ids, params)
+            staged.append((request_id, prompt, token_ids, params, children))
+        # Everything validated: now admit, so a bad prompt never leaves others half-run.
+        for request_id, prompt, token_ids, params, children in staged:
+            order[request_id] = len(order)
+            self.output_processor.add_request(
+                request_id,
+                prompt,
+                token_ids,
+                [c.request_id for c in children],
+                params,
+                children[0].arrival_time,
+            )
+            for child in children:
+                self.engine.add_request(child)
+
+        results: list[RequestOutput | None] = [None] * len(order)
+        progress = tqdm(total=len(order), desc="Generating", disable=not use_tqdm or len(order) < 2)
+        try:
+            while self.engine.has_unfinished_requests():
+                processed = self.output_processor.process_outputs(self.engine.step())
+                self.engine.abort_requests(processed.child_ids_to_abort)
+                for output in processed.request_outputs:
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        progress.update(1)
+        finally:
+            progress.close()
+            unfinished = [rid for rid, i in order.items() if results[i] is None]
+            for request_id in unfinished:
+                child_ids, _ = self.output_processor.abort_request(request_id)
+                self.engine.abort_requests(child_ids)
+        return results
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,86 @@
+"""What a request gives back: RequestOutput (vLLM's shape), its CompletionOutputs, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    """1 = the most likely token."""
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob, the sampled token first, then the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class RequestMetrics:
+    """Times are `time.time()` seconds; durations are seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.num_generation_tokens < 2:
+            return None
+        end = self.last_token_time or self.first_token_time
+        return (end - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """None while running; then "stop", "length" or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the output, if any."""
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
