@@ -1,0 +1,30 @@
+# Every target sets itself up first (scripts/setup is a no-op when nothing changed).
+# make test M=m05   runs only the tests of one milestone.
+
+M ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup check test test-integration docs docs-serve serve
+
+setup:
+	scripts/setup
+
+check:
+	scripts/check
+
+test:
+	M="$(M)" scripts/test
+
+# Tests that need external programs (e.g. prometheus); none exist yet, which is not a failure.
+test-integration:
+	M="$(M)" scripts/test -m integration || [ $$? -eq 5 ]
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+
+serve: setup
+	.venv/bin/nanollmserve serve --host $(HOST) --port $(PORT)
