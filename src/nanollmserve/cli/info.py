@@ -1,0 +1,90 @@
+"""`nanollmserve info`: what a model is and where its weights come from, without loading them.
+
+The parameter count is that of the native model (built on the meta device, a tied embedding
+counted once), so it is what `serve` would hold in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "info",
+        help="show a model's architecture, size and where its weights come from",
+        description="Show a model's architecture, size and where its weights come from.",
+    )
+    parser.add_argument(
+        "model_pos", nargs="?", metavar="MODEL", help="same as --model (positional form)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a local HF directory, a *.gguf file, or empty for the bundled model",
+    )
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanollmserve.errors import UserError
+    from nanollmserve.model import (
+        ModelConfig,
+        build_model,
+        count_parameters,
+        resolve_device,
+        resolve_dtype,
+        resolve_model,
+    )
+    from nanollmserve.model.device import dtype_name
+    from nanollmserve.model.loader import checkpoint_files
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        raise UserError("give the model once: positional MODEL or --model, not both")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    source = resolve_model(args.model_pos or args.model)
+    config = ModelConfig.from_pretrained(source.path)
+    num_params = count_parameters(build_model(config))
+    files = checkpoint_files(source.path)
+    size_mb = sum(f.stat().st_size for f in files) / 1e6
+    rope = f"theta {config.rope_theta:g}"
+    if config.rope_scaling:
+        rope += f", {config.rope_scaling['rope_type']} scaling x{config.rope_scaling['factor']:g}"
+    rows = [
+        ("model", source.name),
+        ("architecture", config.architecture),
+        ("parameters", f"{num_params:,} ({num_params / 1e6:.1f} M)"),
+        ("layers", config.num_layers),
+        ("hidden size", config.hidden_size),
+        ("heads", config.num_heads),
+        ("kv heads", config.num_kv_heads),
+        ("head dim", config.head_dim),
+        ("vocab size", config.vocab_size),
+        ("max context", config.max_context_len),
+        ("rope", rope),
+        ("tied embeddings", "yes" if config.tie_word_embeddings else "no"),
+        ("eos token ids", ", ".join(map(str, config.eos_token_ids)) or "-"),
+        ("dtype", dtype_name(dtype)),
+        ("device", str(device)),
+        ("kv cache", f"{config.kv_bytes_per_token(dtype):,} bytes per token"),
+        ("checkpoint", f"{len(files)} safetensors file(s), {size_mb:,.1f} MB"),
+        ("weights", source.description),
+        ("versions", _versions()),
+    ]
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _versions() -> str:
+    import torch
+    import transformers
+
+    from nanollmserve import __version__
+
+    libraries = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    return f"nanollmserve {__version__}, {libraries}"

@@ -1,0 +1,32 @@
+"""RMSNorm, with the residual add fused in as vLLM and nano-vllm do.
+
+`norm(x)` normalizes; `norm(x, residual)` first adds the residual stream and returns both the
+normalized sum and the sum (the next residual), so a decoder layer reads
+`h, residual = norm(h, residual)`. The sum is taken in the model dtype and the normalization
+in float32, cast back before the weight multiply: the same rounding as HF Llama/Qwen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

@@ -1,0 +1,137 @@
+"""Convert a GGUF file once into a normal Hugging Face directory in the cache.
+
+transformers reads GGUF (`gguf_file=`) by dequantizing every tensor, which takes ~15 s for the
+bundled 135 M model. Doing it on every start would dominate start-up, so the first load writes
+the result (config, generation config, tokenizer, float32 safetensors) into
+`$NANOLLMSERVE_CACHE/gguf/<file stem>-<key>/` and later loads read that in about a second.
+
+The key hashes the file size and its first and last MiB: cheap, independent of the mtime (a
+reinstall of the same file hits the cache) and different for a different file of the same
+name. A conversion writes into a `.tmp-*` directory beside the entry and renames it into place
+when complete, so a killed conversion never leaves a half-written entry; leftover `.tmp-*`
+directories are skipped and removed by a later conversion once they are an hour old.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+from nanollmserve.errors import UserError
+
+CONVERSION_VERSION = 1
+"""Bump when the conversion output changes, so old cache entries are not reused."""
+TMP_PREFIX = ".tmp-"
+STALE_TMP_SECONDS = 3600
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""`general.architecture` values whose conversion gives a supported HF architecture."""
+_CHUNK = 1 << 20
+
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """`$NANOLLMSERVE_CACHE`, default `~/.cache/nanollmserve`."""
+    return Path(os.environ.get("NANOLLMSERVE_CACHE") or "~/.cache/nanollmserve").expanduser()
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """`<stem>-<16 hex digits>` from the conversion version, file size, first and last MiB."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{size}:".encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_CHUNK))
+        f.seek(max(0, size - _CHUNK))
+        digest.update(f.read(_CHUNK))
+    return f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+
+
+def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
+    """The cache entry for `gguf_path`, converting it first if needed -> (dir, converted)."""
+    root = cache_root() / "gguf"
+    root.mkdir(parents=True, exist_ok=True)
+    entry = root / gguf_cache_key(gguf_path)
+    if (entry / "config.json").is_file():
+        return entry, False
+    architecture = gguf_architecture(gguf_path)
+    if architecture is not None and architecture not in GGUF_ARCHITECTURES:
+        raise UserError(
+            f"unsupported GGUF architecture {architecture!r} in {gguf_path.name} "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    _remove_stale_tmp_dirs(root)
+    if entry.exists():  # damaged by hand (renames only ever move complete entries in)
+        shutil.rmtree(entry)
+    logger.info("converting %s once into %s (takes about 20 s)", gguf_path.name, entry)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{entry.name}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the entry is an ordinary directory
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not (entry / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first: use its entry.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return entry, True
+
+
+def gguf_architecture(gguf_path: Path) -> str | None:
+    """`general.architecture` when it is the file's first metadata key (as llama.cpp writes
+    it), read from the header alone; a UserError if the file is not GGUF."""
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UserError(f"not a GGUF file: {gguf_path}")
+        try:
+            # version u32, tensor count u64, metadata count u64, then key (u64 length + bytes),
+            # value type u32 (8 = string), value (u64 length + bytes).
+            f.seek(4 + 4 + 8 + 8)
+            (key_len,) = struct.unpack("<Q", f.read(8))
+            key = f.read(key_len) if key_len < 256 else b""
+            (value_type,) = struct.unpack("<I", f.read(4))
+            if key != b"general.architecture" or value_type != 8:
+                return None
+            (value_len,) = struct.unpack("<Q", f.read(8))
+            return f.read(min(value_len, 256)).decode("utf-8", "replace")
+        except struct.error:
+            raise UserError(f"truncated GGUF file: {gguf_path}") from None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize `gguf_path` with transformers and save it as an HF directory in `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dequantized already; drop the GGUF "quantizer" so they can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    info = {"gguf_file": name, "gguf_size": gguf_path.stat().st_size, "version": CONVERSION_VERSION}
+    (out_dir / "nanollmserve_gguf.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _remove_stale_tmp_dirs(root: Path) -> None:
+    """Remove `.tmp-*` dirs left by killed conversions (old enough not to be in progress)."""
+    now = time.time()
+    for path in root.glob(f"{TMP_PREFIX}*"):
+        try:
+            if now - path.stat().st_mtime > STALE_TMP_SECONDS:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass

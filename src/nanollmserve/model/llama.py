@@ -1,0 +1,160 @@
+"""The Llama decoder (Llama 2/3.x, SmolLM2, TinyLlama, Mistral), nano-vllm style.
+
+The forward runs over one flat batch of tokens from many sequences, no batch dimension and no
+padding: `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`. How those tokens
+split into sequences and where their K/V live is the attention context the model runner sets
+before each step (`nanollmserve.layers.attention_context`); `compute_logits` turns the hidden
+states of the tokens the runner samples into float32 logits.
+
+q/k/v are one matmul (`qkv_proj`) and so are gate/up (`gate_up_proj`); the loader packs the HF
+tensors into them (`packed_modules_mapping`). Qwen2 and Qwen3 (`qwen.py`) are this decoder with
+other `DecoderOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanollmserve.layers.activation import SiluAndMul
+from nanollmserve.layers.attention import PagedAttention
+from nanollmserve.layers.norm import RMSNorm
+from nanollmserve.layers.rotary import RotaryEmbedding
+from nanollmserve.model.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What differs between the Llama-like architectures."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = options.qk_norm
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, options)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the MLP output and the residual stream before it; the next norm adds them."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, options) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    """HF module name -> (our fused module, shard index): the loader concatenates the shards."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.decoder_options(config))
+        # Tied embeddings: the output projection is embed_tokens.weight, no parameter of its own.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @classmethod
+    def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
+        return DecoderOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] long -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """Each layer's PagedAttention, in layer order: the runner binds `k_cache`/`v_cache`."""
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,125 @@
+"""Build a native model and fill it with the safetensors weights of an HF directory.
+
+The model is built on the "meta" device (no memory, no random init), then every parameter is
+replaced by the checkpoint tensor, read straight onto the target device and cast to the model
+dtype. HF names map to ours one to one, except q/k/v and gate/up, which are concatenated into
+the fused `qkv_proj` / `gate_up_proj` (the model's `packed_modules_mapping`). A checkpoint that
+lacks a weight, has one the model does not know, or has a wrong shape fails with a UserError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanollmserve.errors import UserError
+from nanollmserve.model.model_config import ModelConfig
+from nanollmserve.model.registry import get_model_class
+
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def build_model(model_config: ModelConfig) -> nn.Module:
+    """The native model on the meta device: shapes only (enough to count parameters)."""
+    with torch.device("meta"):
+        return get_model_class(model_config.architecture)(model_config)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of the model, a tied weight counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_model(
+    source_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """The native model of `source_dir` with its weights, on `device` in `dtype`, in eval mode."""
+    source_dir = Path(source_dir)
+    model = build_model(model_config)
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    weights = _read_weights(source_dir, model, model_config, dtype, device)
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing {_names(missing)}")
+        if unexpected:
+            problems.append(f"unexpected {_names(unexpected)}")
+        raise UserError(f"weights in {source_dir} do not match the model: {'; '.join(problems)}")
+    for name, tensor in weights.items():
+        if tensor.shape != expected[name]:
+            raise UserError(
+                f"weight {name} in {source_dir} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(expected[name])}"
+            )
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.to(device=device, dtype=dtype)  # the buffers built at init (RoPE table)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def checkpoint_files(source_dir: Path) -> list[Path]:
+    """The safetensors files of an HF dir (the index's shards, model.safetensors, or all)."""
+    index = source_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (source_dir / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        names = sorted(p.name for p in source_dir.glob("*.safetensors"))
+    if not names:
+        raise UserError(f"no *.safetensors weights in model directory {source_dir}")
+    return [source_dir / name for name in names]
+
+
+def _read_weights(
+    source_dir: Path,
+    model: nn.Module,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under our names, on `device` in `dtype`, packed shards concatenated."""
+    packed_mapping: dict[str, tuple[str, int]] = getattr(model, "packed_modules_mapping", {})
+    weights: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    load_device = "cpu" if device.type == "cpu" else str(device)
+    for path in checkpoint_files(source_dir):
+        with safe_open(path, framework="pt", device=load_device) as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if hf_name.endswith(_SKIPPED_SUFFIXES):
+                    continue
+                if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # some tied checkpoints store the shared matrix twice
+                tensor = f.get_tensor(hf_name).to(dtype)
+                name, shard = _our_name(hf_name, packed_mapping)
+                if shard is None:
+                    weights[name] = tensor
+                else:
+                    shards.setdefault(name, {})[shard] = tensor
+    num_shards = Counter(fused for fused, _ in packed_mapping.values())
+    for name, parts in shards.items():
+        if len(parts) == num_shards[name.split(".")[-2]]:  # else reported as missing
+            weights[name] = torch.cat([parts[i] for i in range(len(parts))], dim=0)
+    return weights
+
+
+def _our_name(hf_name: str, packed_mapping: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """`model.layers.0.self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, 1)."""
+    parts = hf_name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed_mapping:
+            fused, shard = packed_mapping[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
+    return hf_name, None
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{shown} (+{len(names) - limit} more)" if len(names) > limit else shown
