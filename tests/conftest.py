@@ -42,3 +42,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ---------------------------------------------------------------------------------------------
 # Shared fixtures (add below)
 # ---------------------------------------------------------------------------------------------
+
+
+def assert_no_leak(llm) -> None:
+    """The engine holds no request and every KV block is back in the pool."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.num_kv_blocks
+    assert engine.kv_cache.req_blocks == {}
+    assert all(b.ref_cnt == 0 for b in engine.kv_cache.pool.blocks)
+
+
+@pytest.fixture
+def make_llm():
+    """`make_llm(**engine_args)`: an LLM on the bundled model in float32; at teardown every
+    engine it built must hold no request and no block (no leak)."""
+    from nanollmserve import LLM
+
+    built = []
+
+    def make(**engine_args):
+        engine_args.setdefault("dtype", "float32")
+        engine_args.setdefault("num_kv_blocks", 512)
+        llm = LLM(**engine_args)
+        built.append(llm)
+        return llm
+
+    yield make
+    for llm in built:
+        assert_no_leak(llm)
+
+
+@pytest.fixture(scope="session")
+def shared_llm():
+    from nanollmserve import LLM
+
+    return LLM(dtype="float32", num_kv_blocks=512)
+
+
+@pytest.fixture
+def llm(shared_llm):
+    """One LLM (bundled model, float32) shared by the tests; leak-checked after each test."""
+    yield shared_llm
+    assert_no_leak(shared_llm)

@@ -16,6 +16,9 @@ from nanollmserve.errors import UserError
 
 SUBCOMMAND_MODULES = [
     "nanollmserve.cli.info",
+    "nanollmserve.cli.generate",
+    "nanollmserve.cli.bench",
+    "nanollmserve.cli.serve",
 ]
 
 

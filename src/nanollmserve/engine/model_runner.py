@@ -21,6 +21,7 @@ from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.attention_context import (
     AttentionContext,
     PrefillSpan,
+    additive_mask,
     reset_context,
     set_context,
 )
@@ -110,7 +111,7 @@ class ModelRunner:
             decode_lens = ctx_lens[:num_decodes]
             num_blocks = -(-int(decode_lens.max()) // bs)
             key_pos = torch.arange(num_blocks * bs)
-            mask = key_pos[None, :] < decode_lens[:, None]
+            mask = additive_mask(key_pos[None, :] < decode_lens[:, None], self.dtype)
             context.decode_block_tables = block_tables[:num_decodes, :num_blocks].to(self.device)
             context.decode_mask = mask.view(num_decodes, 1, 1, -1).to(self.device)
         ends_list = ends.tolist()
@@ -123,7 +124,7 @@ class ModelRunner:
                 ctx_len = starts[i] + num_new[i]
                 block_ids = block_tables[i, : -(-ctx_len // bs)].to(self.device)
                 context.prefills.append(
-                    PrefillSpan.over_cache(query_start, query_end, ctx_len, block_ids)
+                    PrefillSpan.over_cache(query_start, query_end, ctx_len, block_ids, self.dtype)
                 )
         set_context(context)
 

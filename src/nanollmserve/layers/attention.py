@@ -61,7 +61,7 @@ class PagedAttention(nn.Module):
         # Grouped-query trick: the query heads that share a KV head become that head's
         # "query length", so K/V are never repeated: [D, kv_heads, group, head_dim].
         num_decodes = q.shape[0]
-        q = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
+        q = q.reshape(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
         k = self._gather(self.k_cache, ctx.decode_block_tables)
         v = self._gather(self.v_cache, ctx.decode_block_tables)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=self.scale)

@@ -22,8 +22,8 @@ class PrefillSpan:
     """One sequence's new tokens in the flat batch: `query_start:query_end`.
 
     `block_ids` (1-D) lists the KV blocks holding the sequence's first `context_len` tokens,
-    the new ones included, and `attn_mask` ([new tokens, context_len] bool) lets each new token
-    see the keys up to its own position. `block_ids=None` means the span starts at position 0
+    the new ones included, and `attn_mask` ([new tokens, context_len], additive: 0 or -inf)
+    lets each new token see the keys up to its own position. `block_ids=None` means the span starts at position 0
     and attends only to its own keys (plain causal attention, no cache read needed).
     """
 
@@ -35,7 +35,12 @@ class PrefillSpan:
 
     @classmethod
     def over_cache(
-        cls, query_start: int, query_end: int, context_len: int, block_ids: torch.Tensor
+        cls,
+        query_start: int,
+        query_end: int,
+        context_len: int,
+        block_ids: torch.Tensor,
+        dtype: torch.dtype,
     ) -> PrefillSpan:
         """A span whose earlier tokens are already in the cache (prefix hit or a later chunk):
         query i sits at position context_len - num_new + i and sees keys 0 .. that position."""
@@ -43,7 +48,7 @@ class PrefillSpan:
         device = block_ids.device
         query_pos = torch.arange(context_len - num_new, context_len, device=device)
         key_pos = torch.arange(context_len, device=device)
-        mask = key_pos[None, :] <= query_pos[:, None]
+        mask = additive_mask(key_pos[None, :] <= query_pos[:, None], dtype)
         return cls(query_start, query_end, context_len, block_ids, mask)
 
 
@@ -54,7 +59,8 @@ class AttentionContext:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] long; None: do not write the cache
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # [num_decodes, 1, 1, max_blocks * block_size], additive: 0 where a key is valid, else -inf
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @classmethod
@@ -66,6 +72,14 @@ class AttentionContext:
             spans.append(PrefillSpan(start, start + n, n))
             start += n
         return cls(prefills=spans)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool "may attend" -> 0 / -inf in the model dtype. CPU SDPA is several times faster
+    with an additive float mask than with a bool one."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 _context = AttentionContext()
