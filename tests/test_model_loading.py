@@ -32,6 +32,7 @@ from nanollmserve.model import (
     resolve_model,
     source,
 )
+from nanollmserve.model.device import cpu_has_native_bf16
 
 pytestmark = pytest.mark.milestone("m00")
 
@@ -376,7 +377,8 @@ def test_device_and_dtype() -> None:
     assert resolve_device("cpu") == CPU
     auto = resolve_device("auto")
     assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert resolve_dtype("auto", CPU) == torch.float32
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", CPU) == expected
     assert resolve_dtype("bf16", CPU) == resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert resolve_dtype("half", CPU) == resolve_dtype("fp16", CPU) == torch.float16
     assert resolve_dtype("FP32", CPU) == torch.float32

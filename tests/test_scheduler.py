@@ -1,0 +1,84 @@
+"""Scheduler policy: token budget, max_num_seqs, decodes first, FCFS, chunking, preemption
+of the newest request. Driven through EngineCore with a recording model runner wrapper."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.milestone("m05")
+
+
+def record_steps(engine) -> list[list[tuple[str, int, int]]]:
+    """Wrap the runner so each step records (request id, computed before, new tokens)."""
+    steps = []
+    execute = engine.model_runner.execute_model
+
+    def recording(scheduled, kv_cache):
+        steps.append(
+            [
+                (r.request_id, r.num_computed_tokens, n)
+                for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)
+            ]
+        )
+        return execute(scheduled, kv_cache)
+
+    engine.model_runner.execute_model = recording
+    return steps
+
+
+def test_budget_seqs_decodes_first_and_requests_joining_mid_generation(make_llm):
+    llm = make_llm(max_num_seqs=4, max_num_batched_tokens=48, enable_prefix_caching=False)
+    engine = llm.engine
+    steps = record_steps(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(200 + i, 230 + i)) for i in range(10)]
+    for i, p in enumerate(prompts[:6]):
+        engine.add_request(EngineCoreRequest(f"r{i}", p, params))
+    for _ in range(3):
+        engine.step()
+    for i, p in enumerate(prompts[6:], start=6):  # more requests arrive mid-generation
+        engine.add_request(EngineCoreRequest(f"r{i}", p, params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for step in steps:
+        assert sum(n for _, _, n in step) <= 48
+        assert len(step) <= 4
+        kinds = [n == 1 for _, _, n in step]
+        assert kinds == sorted(kinds, reverse=True)  # decodes (1 token) first
+    first_step = steps[0]
+    assert first_step[0] == ("r0", 0, 30)  # FCFS: r0 whole, then r1 chunked to fit
+    assert first_step[1] == ("r1", 0, 18)
+    # every request's progress is contiguous: it resumes where it stopped
+    progress: dict[str, int] = {}
+    for step in steps:
+        for request_id, computed, n in step:
+            assert computed == progress.get(request_id, 0)
+            progress[request_id] = computed + n
+    assert sorted(progress) == sorted(f"r{i}" for i in range(10))
+    assert all(progress[f"r{i}"] == 30 + 6 - 1 for i in range(10))
+
+
+def test_preemption_picks_the_newest_and_requeues_it_first(make_llm):
+    llm = make_llm(
+        num_kv_blocks=6, block_size=16, max_model_len=96, enable_prefix_caching=False
+    )
+    engine = llm.engine
+    steps = record_steps(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(EngineCoreRequest(f"p{i}", list(range(300 + i, 330 + i)), params))
+    preempted_seen = False
+    while engine.has_unfinished_requests():
+        before = engine.scheduler.num_preemptions
+        engine.step()
+        if engine.scheduler.num_preemptions > before and not preempted_seen:
+            preempted_seen = True
+            newest_running = [r.request_id for r in engine.scheduler.running]
+            assert engine.scheduler.waiting[0].request_id not in newest_running
+            assert engine.scheduler.waiting[0].request_id == "p2"
+    assert preempted_seen
+    recomputes = [(rid, n) for step in steps for rid, computed, n in step if computed == 0]
+    assert [rid for rid, _ in recomputes].count("p2") >= 2  # started again from zero
