@@ -1,0 +1,54 @@
+"""`create_app(engine, settings)`: the FastAPI app of the OpenAI-compatible server.
+
+It wires the routes (`routes.py`) to a ServerContext, installs the OpenAI-shaped error
+handlers, the body-size cap and (with an API key) authentication, and documents 400 instead
+of FastAPI's 422 in /openapi.json, because validation errors answer 400 here.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from nanollmserve import __version__
+from nanollmserve.api.auth import APIKeyMiddleware
+from nanollmserve.api.body_limit import BodySizeLimitMiddleware
+from nanollmserve.api.errors import install_error_handlers
+from nanollmserve.api.routes import router
+from nanollmserve.api.serving import ServerContext, ServerSettings
+from nanollmserve.frontend.async_engine import AsyncEngine
+
+__all__ = ["ServerSettings", "create_app"]
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    app = FastAPI(
+        title="nanollmserve",
+        version=__version__,
+        description="An OpenAI-compatible LLM inference server written from scratch in Python.",
+    )
+    app.state.ctx = ServerContext(engine, settings)
+    app.include_router(router)
+    install_error_handlers(app)
+    # Outermost last: auth runs before the body is read, then the size cap.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path_item in schema.get("paths", {}).values():
+            for operation in path_item.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,40 @@
+"""API-key authentication: with `--api-key` (or NANOLLMSERVE_API_KEY) set, every route except
+/health needs `Authorization: Bearer <key>`; anything else answers 401 in the OpenAI error
+shape. The key is compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from nanollmserve.api.errors import error_response
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response(
+                401,
+                "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

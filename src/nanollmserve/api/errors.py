@@ -1,0 +1,166 @@
+"""Every error the API returns, in OpenAI's shape: `{"error": {message, type, param, code}}`.
+
+Routes raise `APIError` (or a ValueError from parameter validation, which becomes a 400);
+the handlers installed by `install_error_handlers` turn FastAPI's validation errors (its
+default is 422), Starlette's HTTP errors (404 route, 405 method) and anything unexpected
+into the same shape, so a client only ever parses one kind of error body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanollmserve.api.protocol import ErrorInfo, ErrorResponse
+from nanollmserve.frontend.async_engine import EngineDeadError, EngineOverloadedError
+from nanollmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+
+# Names that may open a validation message and are then reported as its `param`.
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "prompt",
+    "messages",
+    "input",
+    "tokens",
+    "model",
+}
+
+
+_UNION_TAG = re.compile(r"[\[\]\-(]")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def not_found(message: str, code: str = "not_found", param: str | None = None) -> APIError:
+    return APIError(404, message, param=param, code=code)
+
+
+def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> APIError:
+    """A validation message names its field first ("top_p must be in (0, 1], got 2"); that
+    field (under its API name, via `aliases`) becomes `param`."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].rstrip(":")
+    param = (aliases or {}).get(first, first) if first in _PARAM_NAMES else None
+    return bad_request(message, param)
+
+
+def error_response(
+    status_code: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type(status_code), param=param, code=code)
+    )
+    return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
+
+
+def error_type(status_code: int) -> str:
+    if status_code == 401:
+        return "authentication_error"
+    if status_code >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_from_exception(exc: BaseException) -> APIError:
+    """Map any exception met while serving a request to the APIError a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return APIError(503, str(exc), code="overloaded", headers=headers)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+
+
+def stream_error_payload(exc: BaseException) -> str:
+    """The `data:` of an SSE event reporting an error after the stream has started."""
+    err = error_from_exception(exc)
+    body = ErrorInfo(message=err.message, type=error_type(err.status_code), code=err.code)
+    return json.dumps({"error": body.model_dump()})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(
+            exc.status_code, exc.message, param=exc.param, code=exc.code, headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        # Drop "body" and the tags pydantic gives union members ("list[int]", "function-after").
+        loc = [
+            str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.search(str(p))
+        ]
+        if first.get("type") == "json_invalid":
+            return error_response(400, "request body is not valid JSON", code="invalid_json")
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if param:
+            message = f"{param}: {message}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more error{'s' * (len(errors) > 2)})"
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
+        err = from_value_error(exc)
+        return error_response(400, err.message, param=err.param, code=err.code)
+
+    @app.exception_handler(EngineOverloadedError)
+    @app.exception_handler(EngineDeadError)
+    async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+        err = error_from_exception(exc)
+        return error_response(503, err.message, code=err.code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        err = error_from_exception(exc)
+        return error_response(err.status_code, err.message, code=err.code)

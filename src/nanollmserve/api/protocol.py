@@ -1,0 +1,183 @@
+"""Protocol models shared by the endpoints: errors, usage, models, tokenize, and the
+conversion of request fields into SamplingParams.
+
+Fields follow OpenAI's names and order. Unknown request fields are ignored (as OpenAI-style
+servers do), so clients that send newer fields keep working. The endpoint-specific models
+live in `protocol_completions.py`, `protocol_chat.py` and `protocol_responses.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanollmserve.sampling_params import SamplingParams
+
+MAX_INT32 = 2**31 - 1
+"""Upper bound of counts and ids in requests, so no value overflows a tensor."""
+
+MAX_N = 128
+"""Most completions one request may ask for (OpenAI's limit); `--max-num-seqs` may be lower."""
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# -- errors ----------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# -- usage -----------------------------------------------------------------------------------
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    """Send a last chunk with the usage of the whole request and no choices."""
+
+
+# -- models ----------------------------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nanollmserve"
+    root: str
+    """The model the name serves (its source name)."""
+    max_model_len: int
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- chat messages -----------------------------------------------------------------------------
+class ChatCompletionContentPartText(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ChatCompletionContentPartText] | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+# -- tokenize / detokenize -------------------------------------------------------------------
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    """Text to tokenize as is (give `prompt` or `messages`)."""
+    messages: list[ChatMessage] | None = None
+    """A chat conversation, rendered with the chat template and its generation prompt."""
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+# -- sampling ----------------------------------------------------------------------------------
+def sampling_params(
+    *,
+    max_tokens: int | None,
+    stop: str | list[str] | None = None,
+    logit_bias: dict[str, float] | None = None,
+    **fields,
+) -> SamplingParams:
+    """SamplingParams from request fields; None means "the default", except for
+    `max_tokens`, where it means "up to the context length". A bad value raises ValueError
+    whose message starts with the field's name."""
+    values = {k: v for k, v in fields.items() if v is not None}
+    values["max_tokens"] = max_tokens
+    if stop is not None:
+        values["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if logit_bias:
+        try:
+            values["logit_bias"] = {int(k): float(v) for k, v in logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers)") from None
+    return SamplingParams(**values)
+
+
+# -- server state ------------------------------------------------------------------------------
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class StatsResponse(OpenAIBaseModel):
+    """GET /stats: what the engine is doing now, and totals since the start."""
+
+    is_healthy: bool
+    num_requests_running: int
+    num_requests_waiting: int
+    num_sequences_in_flight: int
+    """Admitted and not yet ended, including what the engine thread has not picked up."""
+    kv_cache_usage: float
+    """Fraction of KV blocks in use (0..1)."""
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_requests_finished: int
+    num_requests_aborted: int
+    """Requests ended early: client disconnects, cancelled consumers, shutdown."""
+    num_requests_failed: int
+    num_requests_rejected: int
+    """Requests refused with 503 because the queue was full."""
+    peak_running_requests: int
+    """Most requests running in one engine step (> 1 means requests were batched)."""

@@ -1,0 +1,132 @@
+"""Protocol models of `/v1/completions` (OpenAI's legacy completions), in OpenAI's order.
+
+The prompt may be a string, a list of strings, a list of token ids or a list of token-id
+lists; each prompt gets `n` choices, numbered prompt-major (`index = prompt * n + i`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from nanollmserve.api.protocol import (
+    MAX_INT32,
+    MAX_N,
+    OpenAIBaseModel,
+    StreamOptions,
+    TokenId,
+    UsageInfo,
+    sampling_params,
+)
+from nanollmserve.sampling_params import SamplingParams
+
+MAX_COMPLETION_LOGPROBS = 5
+"""The legacy API allows 0..5 alternatives per token."""
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+
+
+class CompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    """The served model name; may be left out (there is one model)."""
+    prompt: Prompt
+    echo: bool = False
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT32)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = 0.0
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    user: str | None = None
+
+    # -- nanollmserve extensions (vLLM names) -------------------------------------------------
+    top_k: int | None = Field(
+        default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
+    )
+    min_p: float | None = Field(default=None, description="Drop tokens below min_p * top prob.")
+    repetition_penalty: float | None = Field(
+        default=None, description="Divide the logits of tokens already seen (1 = off)."
+    )
+    min_tokens: int | None = Field(
+        default=None, ge=0, le=MAX_INT32, description="Generate at least this many tokens."
+    )
+    ignore_eos: bool | None = Field(default=None, description="Keep going past end-of-text.")
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, description="Token ids that end the output, like stop strings."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        default=None, description="Keep the matched stop string at the end of the text."
+    )
+    skip_special_tokens: bool | None = Field(
+        default=None, description="Leave special tokens out of the text (default true)."
+    )
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return sampling_params(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    """Both the response and, with `stream`, each chunk (finish_reason None until the end)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,165 @@
+"""The HTTP routes. Each one only dispatches: protocol model in, serving function, JSON or
+SSE out. The ServerContext (engine + settings) comes from `app.state`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from nanollmserve.api import serving_chat, serving_completions, serving_responses, simple_api
+from nanollmserve.api.errors import APIError, error_response
+from nanollmserve.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    StatsResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from nanollmserve.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
+from nanollmserve.api.protocol_completions import CompletionRequest, CompletionResponse
+from nanollmserve.api.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
+from nanollmserve.api.serving import ServerContext
+
+_ERRORS = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model or object"),
+        (413, "Request body too large"),
+        (503, "Overloaded (see Retry-After) or shutting down"),
+    ]
+}
+
+
+def _json_or_sse(model) -> dict:
+    return {
+        200: {
+            "model": model,
+            "description": "JSON, or with `stream` an SSE stream ending in `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
+
+
+router = APIRouter(responses=_ERRORS)
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+Ctx = Annotated[ServerContext, Depends(get_context)]
+
+
+@router.get("/health", response_model=HealthResponse, tags=["server"])
+async def health(ctx: Ctx):
+    """200 while the engine loop is alive and accepting requests, 503 otherwise."""
+    if not ctx.engine.is_accepting:
+        return error_response(503, "engine is not available", code="engine_unavailable")
+    return HealthResponse()
+
+
+@router.get("/stats", response_model=StatsResponse, tags=["server"])
+async def stats(ctx: Ctx) -> StatsResponse:
+    snapshot = ctx.engine.stats()
+    engine, kv = snapshot.engine, snapshot.engine.kv_cache
+    return StatsResponse(
+        is_healthy=snapshot.is_healthy,
+        num_requests_running=engine.num_requests_running,
+        num_requests_waiting=engine.num_requests_waiting,
+        num_sequences_in_flight=ctx.engine.num_sequences_in_flight,
+        kv_cache_usage=kv.usage,
+        num_free_blocks=kv.num_free_blocks,
+        num_total_blocks=kv.num_blocks,
+        block_size=kv.block_size,
+        prefix_cache_queries=engine.prefix_cache_queries,
+        prefix_cache_hits=engine.prefix_cache_hits,
+        prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
+        num_preemptions=engine.num_preemptions,
+        num_steps=engine.num_steps,
+        num_prompt_tokens=engine.num_prompt_tokens,
+        num_generation_tokens=engine.num_generation_tokens,
+        num_requests_finished=snapshot.num_requests_finished,
+        num_requests_aborted=snapshot.num_requests_aborted,
+        num_requests_failed=snapshot.num_requests_failed,
+        num_requests_rejected=ctx.engine.num_requests_rejected,
+        peak_running_requests=snapshot.peak_running_requests,
+    )
+
+
+def _model_card(ctx: ServerContext, name: str) -> ModelCard:
+    return ModelCard(id=name, root=ctx.engine.model_name, max_model_len=ctx.engine.max_model_len)
+
+
+@router.get("/v1/models", response_model=ModelList, tags=["openai"])
+async def list_models(ctx: Ctx) -> ModelList:
+    return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, tags=["openai"])
+async def retrieve_model(model: str, ctx: Ctx) -> ModelCard:
+    return _model_card(ctx, ctx.check_model(model))
+
+
+@router.post("/v1/completions", responses=_json_or_sse(CompletionResponse), tags=["openai"])
+async def create_completion(body: CompletionRequest, request: Request, ctx: Ctx):
+    return await serving_completions.create_completion(body, request, ctx)
+
+
+@router.post(
+    "/v1/chat/completions", responses=_json_or_sse(ChatCompletionResponse), tags=["openai"]
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Ctx):
+    return await serving_chat.create_chat_completion(body, request, ctx)
+
+
+@router.post("/v1/responses", responses=_json_or_sse(ResponseObject), tags=["openai"])
+async def create_response(body: ResponsesRequest, request: Request, ctx: Ctx):
+    return await serving_responses.create_response(body, request, ctx)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, tags=["openai"])
+async def retrieve_response(response_id: str, ctx: Ctx):
+    return serving_responses.retrieve_response(response_id, ctx)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, tags=["openai"])
+async def delete_response(response_id: str, ctx: Ctx):
+    return serving_responses.delete_response(response_id, ctx)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
+async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        tokens = ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
+    else:
+        _, tokens = ctx.engine.tokenize(body.prompt) if body.prompt else (None, [])
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=ctx.engine.max_model_len, tokens=tokens
+    )
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"])
+async def detokenize(body: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
+    ctx.check_model(body.model)
+    return DetokenizeResponse(prompt=ctx.engine.detokenize(body.tokens) if body.tokens else "")
+
+
+@router.post("/generate", response_model=simple_api.GenerateResponse, tags=["simple"])
+async def generate(body: simple_api.GenerateRequest, request: Request, ctx: Ctx):
+    return await simple_api.generate(body, request, ctx)
+
+
+@router.post("/batch_generate", response_model=simple_api.BatchGenerateResponse, tags=["simple"])
+async def batch_generate(body: simple_api.BatchGenerateRequest, request: Request, ctx: Ctx):
+    return await simple_api.batch_generate(body, request, ctx)

@@ -1,0 +1,87 @@
+"""The simple API: `POST /generate` (one prompt) and `POST /batch_generate` (many prompts,
+submitted together so the engine batches them). Same engine, same sampling, no OpenAI
+envelope: just the text, the token count and the latency.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from pydantic import Field
+
+from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, sampling_params
+from nanollmserve.api.serving import ServerContext, final_outputs, finish_reason, random_id
+from nanollmserve.sampling_params import SamplingParams
+
+MAX_BATCH_PROMPTS = 256
+
+_PARAM_ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+class SimpleSampling(OpenAIBaseModel):
+    max_new_tokens: int = Field(default=64, ge=1, le=MAX_INT32)
+    temperature: float = Field(default=0.0, description="0 (the default) is greedy.")
+    top_p: float = 1.0
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return sampling_params(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=self.max_new_tokens,
+            stop=self.stop,
+        )
+
+
+class GenerateRequest(SimpleSampling):
+    prompt: str = Field(min_length=1)
+
+
+class GenerateResponse(OpenAIBaseModel):
+    generated_text: str
+    tokens_generated: int
+    latency_ms: float
+    finish_reason: str | None = None
+
+
+class BatchGenerateRequest(SimpleSampling):
+    prompts: list[str] = Field(min_length=1, max_length=MAX_BATCH_PROMPTS)
+
+
+class BatchGenerateResponse(OpenAIBaseModel):
+    generated_texts: list[str]
+    tokens_generated: list[int]
+    latency_ms: float
+
+
+async def generate(body: GenerateRequest, request: Request, ctx: ServerContext):
+    start = time.perf_counter()
+    params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
+    streams = ctx.add_requests([body.prompt], params, random_id("gen-"))
+    [output] = await final_outputs(request, streams)
+    [choice] = output.outputs
+    return GenerateResponse(
+        generated_text=choice.text,
+        tokens_generated=len(choice.token_ids),
+        latency_ms=round((time.perf_counter() - start) * 1000, 3),
+        finish_reason=finish_reason(choice),
+    )
+
+
+async def batch_generate(body: BatchGenerateRequest, request: Request, ctx: ServerContext):
+    start = time.perf_counter()
+    params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
+    streams = ctx.add_requests(list(body.prompts), params, random_id("batch-"))
+    outputs = await final_outputs(request, streams)
+    for output in outputs:
+        finish_reason(output.outputs[0])
+    return BatchGenerateResponse(
+        generated_texts=[o.outputs[0].text for o in outputs],
+        tokens_generated=[len(o.outputs[0].token_ids) for o in outputs],
+        latency_ms=round((time.perf_counter() - start) * 1000, 3),
+    )

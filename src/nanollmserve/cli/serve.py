@@ -1,0 +1,188 @@
+"""`nanollmserve serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+Binds the socket first (a busy port fails at once), loads the model into an AsyncEngine,
+then serves with uvicorn and logs one line when ready: URL, model, device, dtype, KV blocks
+and time to ready. SIGINT / SIGTERM shut down gracefully: new requests get 503, running
+ones get `--shutdown-timeout` seconds to finish, the rest are aborted, and the process
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+
+from nanollmserve.config import add_engine_args, engine_config_from_args
+from nanollmserve.errors import UserError
+
+logger = logging.getLogger("nanollmserve.serve")
+
+API_KEY_ENV = "NANOLLMSERVE_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/responses, /generate, ...).",
+    )
+    add_engine_args(parser, model_positional=True)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0: any)")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use in `model` (default: the model's name)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV}; prefer the variable, command lines are visible)",
+    )
+    group.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="requests that may wait beyond --max-num-seqs before new ones get 503 (default 256)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
+    )
+    group.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
+    group.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="(default %(default)s)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from nanollmserve.frontend.async_engine import DEFAULT_MAX_QUEUE_LEN
+    from nanollmserve.frontend.tokenizer import load_chat_template
+
+    max_queue_len = DEFAULT_MAX_QUEUE_LEN if args.max_queue_len is None else args.max_queue_len
+    if max_queue_len < 0:
+        raise UserError(f"--max-queue-len must be >= 0, got {max_queue_len}")
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    config = engine_config_from_args(args)
+    chat_template = load_chat_template(args.chat_template)
+    sock = _bind(args.host, args.port)
+    try:
+        return asyncio.run(_serve(args, config, chat_template, max_queue_len, sock, start))
+    finally:
+        sock.close()
+
+
+async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int:
+    import uvicorn
+
+    from nanollmserve.api import ServerSettings, create_app
+    from nanollmserve.frontend.async_engine import AsyncEngine
+
+    engine = await asyncio.to_thread(
+        AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
+    )
+    settings = ServerSettings(served_model_names=args.served_model_name or [], api_key=args.api_key)
+    app = create_app(engine, settings)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{_url_host(host)}:{port}"
+    core = engine.engine
+
+    def ready_line() -> str:
+        return (
+            f"nanollmserve ready: {url} model={app.state.ctx.model_name} "
+            f"device={core.device} dtype={str(core.dtype).removeprefix('torch.')} "
+            f"kv_blocks={core.num_kv_blocks}x{config.block_size} tokens "
+            f"max_model_len={engine.max_model_len} ready_in={time.perf_counter() - start:.1f}s"
+        )
+
+    uvicorn_config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        # A backstop: the engine ends what is still running at --shutdown-timeout itself,
+        # so responses end cleanly (an error event, a 503) before uvicorn cancels anything.
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + 10,
+        access_log=args.log_level == "debug",
+    )
+    server = _make_server(uvicorn_config, engine, ready_line, args.shutdown_timeout)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await engine.shutdown(timeout=0)
+    logger.info("nanollmserve stopped")
+    return 0
+
+
+def _make_server(config, engine, ready_line, shutdown_timeout: float):
+    """A uvicorn.Server that logs the ready line; on the first signal it refuses new
+    requests and gives running ones `shutdown_timeout` seconds before the engine aborts
+    them; it does not re-raise the signal after its graceful shutdown (so it exits 0)."""
+    import uvicorn
+
+    loop = asyncio.get_running_loop()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                logger.info(ready_line())
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                engine.stop_accepting()
+                loop.call_soon_threadsafe(self._drain_engine)
+            super().handle_exit(sig, frame)
+
+        def _drain_engine(self) -> None:
+            self.drain_task = loop.create_task(engine.shutdown(timeout=shutdown_timeout))
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,77 @@
+"""Schema fuzzing: schemathesis generates requests from /openapi.json, valid and invalid,
+for every operation; none may get a 5xx. A bounded number of cases per operation and mode,
+against a private server with a short context (so no generated request can run long)."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from live_server import LiveServer
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+pytestmark = pytest.mark.milestone("m02")
+
+MAX_EXAMPLES = 25
+
+OPERATIONS = [
+    ("GET", "/health"),
+    ("GET", "/stats"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/generate"),
+    ("POST", "/batch_generate"),
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    server = LiveServer.start(
+        "--max-model-len", "48", "--num-kv-blocks", "64", "--max-num-seqs", "8"
+    )
+    yield server
+    assert server.stop() == 0
+    assert "Traceback" not in server.log(), server.log()
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    return schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
+
+
+def test_every_operation_is_fuzzed(api_schema):
+    found = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
+    assert found == set(OPERATIONS)
+
+
+# Invalid inputs exist only for request bodies (the GET/DELETE parameters are any string).
+CASES = [(method, path, GenerationMode.POSITIVE) for method, path in OPERATIONS] + [
+    (method, path, GenerationMode.NEGATIVE) for method, path in OPERATIONS if method == "POST"
+]
+
+
+@pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=str)
+def test_no_server_errors(api_schema, fuzz_server, method, path, mode):
+    operation = api_schema[path][method]
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    def check(case):
+        case.call_and_validate(checks=[not_a_server_error], timeout=60)
+
+    check()
+    assert fuzz_server.stats()["is_healthy"]
