@@ -61,7 +61,7 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(stream, body, model, request_id, created, include_usage)
-        return sse_response(chunks)
+        return sse_response(chunks, [stream])
     [output] = await final_outputs(request, [stream])
     choices = [
         ChatCompletionResponseChoice(

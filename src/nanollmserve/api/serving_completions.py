@@ -49,7 +49,7 @@ async def create_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(ctx, streams, body, model, request_id, created, include_usage)
-        return sse_response(chunks)
+        return sse_response(chunks, streams)
     outputs = await final_outputs(request, streams)
     choices = []
     for prompt_index, output in enumerate(outputs):

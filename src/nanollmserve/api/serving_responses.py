@@ -78,7 +78,8 @@ async def create_response(
     )
     message_id = random_id("msg_")
     if body.stream:
-        return sse_response(_stream(ctx, stream, template, message_id, conversation))
+        body = _stream(ctx, stream, template, message_id, conversation)
+        return sse_response(body, [stream])
     [output] = await final_outputs(request, [stream])
     response = _finish(ctx, template, message_id, output, conversation)
     return JSONResponse(response.model_dump())

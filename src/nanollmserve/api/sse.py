@@ -2,7 +2,8 @@
 Responses API), `data: [DONE]`, and the StreamingResponse that carries them.
 
 A client that disconnects cancels the body iterator (Starlette watches for it), and the
-iterators' `finally` blocks abort their engine requests.
+iterators' `finally` blocks abort their engine requests. The response also aborts them when
+it ends for any reason, so even a client gone before the first chunk frees its blocks.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from nanollmserve.api.errors import stream_error_payload
+from nanollmserve.frontend.async_engine import RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -29,9 +32,23 @@ def sse_error(exc: BaseException, event: str | None = None) -> str:
     return sse_event(stream_error_payload(exc), event)
 
 
-def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        body,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+class SSEResponse(StreamingResponse):
+    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.abort()  # a no-op for finished ones
+
+
+def sse_response(body: AsyncIterator[str], streams: list[RequestStream]) -> SSEResponse:
+    """Stream `body`; the engine requests in `streams` end when the response does."""
+    return SSEResponse(body, streams)

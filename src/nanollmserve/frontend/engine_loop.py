@@ -1,0 +1,265 @@
+"""EngineLoop: the one thread that drives the EngineCore for the AsyncEngine.
+
+The thread owns the EngineCore and the OutputProcessor; nothing else touches them. Each turn
+it drains a thread-safe inbox of adds and aborts, runs one `step()` if any request is
+unfinished, publishes a stats snapshot, then hands the step's outputs to their request
+streams (so a consumer that sees its request end also sees it counted). With nothing to do
+it sleeps on a condition variable: no busy spin.
+
+Observers are called on this thread after every step (`on_step(EngineStats)`) and for every
+request that ends, finished or aborted (`on_request_finished(RequestOutput)`): the hook for
+a metrics collector. An exception in the loop fails every in-flight request with
+`EngineDeadError`, logs the traceback, and leaves the loop stopped and unhealthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from nanollmserve.engine.engine_core import EngineCore, EngineStats
+from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.frontend.output_processor import OutputProcessor
+from nanollmserve.outputs import RequestOutput
+from nanollmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanollmserve.frontend.async_engine import RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; no request can run."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (`max_queue_len`); try again later."""
+
+
+class EngineObserver(Protocol):
+    """Called on the engine thread; must be quick and must not touch the engine."""
+
+    def on_step(self, stats: EngineStats) -> None: ...
+
+    def on_request_finished(self, output: RequestOutput) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServingStats:
+    """A consistent snapshot published by the engine thread; safe to read from any thread."""
+
+    engine: EngineStats
+    num_requests_finished: int
+    num_requests_aborted: int
+    """Ended early: consumer gone, client disconnected, or shut down."""
+    num_requests_failed: int
+    peak_running_requests: int
+    """The largest batch of one step so far."""
+    is_healthy: bool
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, output_processor: OutputProcessor) -> None:
+        self.engine = engine
+        self.output_processor = output_processor
+        self.observers: list[EngineObserver] = []
+        self.num_requests_rejected = 0
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []  # ("add", (stream, ...)) | ("abort", id)
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []  # ditto
+        self._num_seqs_in_flight = 0  # guarded by _cond
+        self._stopping = False
+        self._counts = {"finished": 0, "aborted": 0, "failed": 0, "peak_running": 0}
+        self._stats = self._make_stats(engine.stats())
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- any thread ---------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self.error is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def num_seqs_in_flight(self) -> int:
+        return self._num_seqs_in_flight
+
+    def stats(self) -> ServingStats:
+        return self._stats
+
+    def add(
+        self,
+        stream: RequestStream,
+        children: list[EngineCoreRequest],
+        prompt_text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        capacity: int,
+    ) -> None:
+        """Queue a request (its `n` child requests) for the engine thread, or raise if the
+        loop is gone or more than `capacity` sequences would be in flight."""
+        with self._cond:
+            if self._stopping or self.error is not None:
+                raise EngineDeadError("engine is not accepting requests: it has stopped")
+            if self._num_seqs_in_flight + stream.num_seqs > capacity:
+                self.num_requests_rejected += 1
+                raise EngineOverloadedError(
+                    f"the server is overloaded ({self._num_seqs_in_flight} sequences in "
+                    f"flight, at most {capacity} allowed); retry later"
+                )
+            self._num_seqs_in_flight += stream.num_seqs
+            self._inbox.append(("add", (stream, children, prompt_text, token_ids, params)))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Unknown or finished ids are ignored."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._stopping or self._has_work()):
+                        self._cond.wait()
+                    commands, self._inbox = self._inbox, []
+                    stopping = self._stopping
+                self._apply(commands)
+                if stopping:
+                    self._fail_all(EngineDeadError("the server shut down"), count_as="aborted")
+                    break
+                stats = self._step() if self._has_work() else self.engine.stats()
+                self._stats = self._make_stats(stats)
+                self._deliver()
+        except BaseException as exc:  # the loop must report, never vanish
+            logger.exception("engine loop failed; failing all in-flight requests")
+            self.error = exc  # before failing the requests: they must see an unhealthy engine
+            self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"), count_as="failed")
+        finally:
+            self._stats = self._make_stats(self._last_engine_stats())
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _apply(self, commands: list[tuple[str, object]]) -> None:
+        for kind, payload in commands:
+            if kind == "add":
+                self._add(*payload)
+            else:
+                self._abort(payload)
+
+    def _add(self, stream: RequestStream, children, prompt_text, token_ids, params) -> None:
+        request_id = stream.request_id
+        if request_id in self._streams:
+            self._end(stream, ValueError(f"request id {request_id!r} is already running"))
+            return
+        child_ids = [c.request_id for c in children]
+        self.output_processor.add_request(
+            request_id, prompt_text, token_ids, child_ids, params, children[0].arrival_time
+        )
+        self._streams[request_id] = stream
+        try:
+            for child in children:
+                self.engine.add_request(child)
+        except ValueError as exc:
+            child_ids, _ = self.output_processor.abort_request(request_id)
+            self.engine.abort_requests(child_ids)
+            self._end(self._streams.pop(request_id), exc)
+
+    def _abort(self, request_id: str) -> None:
+        child_ids, final = self.output_processor.abort_request(request_id)
+        self.engine.abort_requests(child_ids)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and final is not None:
+            self._counts["aborted"] += 1
+            self._notify("on_request_finished", final)
+            self._end(stream, final)
+
+    def _step(self) -> EngineStats:
+        engine_outputs = self.engine.step()
+        processed = self.output_processor.process_outputs(engine_outputs)
+        self.engine.abort_requests(processed.child_ids_to_abort)  # stopped by a stop string
+        for output in processed.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._counts["finished"] += 1
+                self._notify("on_request_finished", output)
+                self._end(stream, output)
+            else:
+                self._outbox.append((stream, output))
+        stats = self.engine.stats()
+        batch_size = max(len(engine_outputs), stats.num_requests_running)
+        self._counts["peak_running"] = max(self._counts["peak_running"], batch_size)
+        self._notify("on_step", stats)
+        return stats
+
+    def _end(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        """The last item of a request: it leaves the in-flight count."""
+        with self._cond:
+            self._num_seqs_in_flight -= stream.num_seqs
+        self._outbox.append((stream, item))
+
+    def _deliver(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for stream, item in outbox:
+            stream.put(item)
+
+    def _fail_all(self, error: BaseException, count_as: str) -> None:
+        """End every request with `error`; the stats say so before any consumer hears."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            try:
+                child_ids, _ = self.output_processor.abort_request(stream.request_id)
+                self.engine.abort_requests(child_ids)
+            except Exception:  # the engine may be broken; the stream still fails
+                logger.exception("could not abort %s", stream.request_id)
+        self._streams.clear()
+        with self._cond:  # adds that arrived after the last drain
+            leftovers, self._inbox = self._inbox, []
+        streams += [payload[0] for kind, payload in leftovers if kind == "add"]
+        self._counts[count_as] += len(streams)
+        for stream in streams:
+            self._end(stream, error)
+        self._stats = self._make_stats(self._last_engine_stats())
+        self._deliver()
+
+    def _notify(self, method: str, arg) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, method)(arg)
+            except Exception:  # an observer never breaks the loop
+                logger.exception("observer %r failed in %s", observer, method)
+
+    def _last_engine_stats(self) -> EngineStats:
+        try:
+            return self.engine.stats()
+        except Exception:  # a broken engine: keep the last snapshot
+            return self._stats.engine
+
+    def _make_stats(self, engine_stats: EngineStats) -> ServingStats:
+        counts = self._counts
+        return ServingStats(
+            engine=engine_stats,
+            num_requests_finished=counts["finished"],
+            num_requests_aborted=counts["aborted"],
+            num_requests_failed=counts["failed"],
+            peak_running_requests=counts["peak_running"],
+            is_healthy=self.error is None,
+        )
