@@ -52,7 +52,6 @@ def test_prefix_hit_shares_blocks_by_ref_count():
     assert [b.block_id for b in hits] == kv.block_ids("a")[:2]
     assert kv.allocate_slots(second, 3, hits)
     assert all(b.ref_cnt == 2 for b in hits)
-    assert kv.prefix_cache_queries == 21 and kv.prefix_cache_hits == 8
     kv.free(first)
     kv.free(second)
     assert kv.num_free_blocks == 10

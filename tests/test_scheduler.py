@@ -62,9 +62,7 @@ def test_budget_seqs_decodes_first_and_requests_joining_mid_generation(make_llm)
 
 
 def test_preemption_picks_the_newest_and_requeues_it_first(make_llm):
-    llm = make_llm(
-        num_kv_blocks=6, block_size=16, max_model_len=96, enable_prefix_caching=False
-    )
+    llm = make_llm(num_kv_blocks=6, block_size=16, max_model_len=96, enable_prefix_caching=False)
     engine = llm.engine
     steps = record_steps(engine)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -82,3 +80,19 @@ def test_preemption_picks_the_newest_and_requeues_it_first(make_llm):
     assert preempted_seen
     recomputes = [(rid, n) for step in steps for rid, computed, n in step if computed == 0]
     assert [rid for rid, _ in recomputes].count("p2") >= 2  # started again from zero
+
+
+def test_prefix_lookups_are_counted_once_per_request(make_llm):
+    """A request waiting for blocks is looked up every step; it is counted once."""
+    llm = make_llm(num_kv_blocks=8, block_size=16, max_model_len=128)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = list(range(400, 440))  # 40 tokens: 2 full blocks, then a partial one
+    engine.add_request(EngineCoreRequest("first", prompt, params))
+    engine.add_request(EngineCoreRequest("second", prompt + [7], params))
+    engine.add_request(EngineCoreRequest("third", list(range(500, 560)), params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.prefix_cache_queries == 40 + 41 + 60
+    assert stats.prefix_cache_hits == 32  # "second" reuses the two full blocks of "first"

@@ -143,10 +143,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if request.num_preemptions == 0:  # a resumed request recomputes; that is no hit
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a request's lookup once, when it is first admitted (a request resumed after
+        preemption recomputes its own tokens: that is no hit)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()

@@ -63,6 +63,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # of requests that produced their first token
         self.num_generation_tokens = 0
+        self.step_inter_token_latencies: list[float] = []  # of the latest update
 
     @property
     def num_unfinished(self) -> int:
@@ -107,9 +108,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first admission (not a resume)
                 request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.time()
+                self.kv_cache.record_prefix_lookup(request.num_tokens, num_computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
@@ -126,6 +128,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance each request by what ran, append sampled tokens, finish what is done."""
         outputs = []
+        now = time.time()
+        self.step_inter_token_latencies = []
         for request, num_new, sample in zip(
             scheduled.requests, scheduled.num_new_tokens, sampled, strict=True
         ):
@@ -134,6 +138,9 @@ class Scheduler:
                 continue
             request.append_token(sample.token_id)
             self.num_generation_tokens += 1
+            if request.last_token_time is not None:
+                self.step_inter_token_latencies.append(now - request.last_token_time)
+            request.last_token_time = now
             if request.num_output_tokens == 1:
                 self.num_prompt_tokens += request.num_prompt_tokens
             status = self._check_stop(request, sample.token_id)

@@ -37,14 +37,16 @@ class PagedAttention(nn.Module):
         has_cache = self.k_cache.numel() > 0
         if has_cache and ctx.slot_mapping is not None:
             self._store(k, v, ctx.slot_mapping)
-        out = torch.empty_like(q)
+        # The flat batch is decodes, then prefill spans in order: their outputs concatenate.
+        parts = []
         num_decodes = ctx.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], ctx)
+            parts.append(self._decode(q[:num_decodes], ctx))
         for span in ctx.prefills:
             s, e = span.query_start, span.query_end
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], span)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
+            parts.append(self._prefill(q[s:e], k[s:e], v[s:e], span))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         kv_shape = (-1, self.num_kv_heads, self.head_dim)

@@ -23,8 +23,9 @@ class PrefillSpan:
 
     `block_ids` (1-D) lists the KV blocks holding the sequence's first `context_len` tokens,
     the new ones included, and `attn_mask` ([new tokens, context_len], additive: 0 or -inf)
-    lets each new token see the keys up to its own position. `block_ids=None` means the span starts at position 0
-    and attends only to its own keys (plain causal attention, no cache read needed).
+    lets each new token see the keys up to its own position. `block_ids=None` means the span
+    starts at position 0 and attends only to its own keys (plain causal attention, no cache
+    read needed).
     """
 
     query_start: int

@@ -1,9 +1,10 @@
 """Rotary position embedding (RoPE), rotate-half ("neox") layout as in HF Llama and Qwen.
 
 The cos/sin table is computed once for every position up to `max_position` (in float32, like
-HF) and indexed by `positions`, so tokens of many sequences at different positions rotate in
-one call. Rotating the two halves separately gives bit-for-bit HF's
-`q * cos + rotate_half(q) * sin` without building `rotate_half(q)`.
+HF) and indexed by `positions` once per step (`cos_sin`); every layer then rotates with the
+same rows (`apply_rotary`), queries and keys together in one call when they are adjacent.
+Rotating the two halves separately gives bit-for-bit HF's `q * cos + rotate_half(q) * sin`
+without building `rotate_half(q)`.
 
 Frequency scaling: "default", "linear" (positions divided by `factor`) and "llama3" (Llama 3.1+:
 long wavelengths divided by `factor`, short ones kept, a smooth blend between).
@@ -60,14 +61,13 @@ class RotaryEmbedding(nn.Module):
         # model (`.to(dtype)`), which is what HF does with its float32 cos/sin.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, heads, head_dim], k [T, kv_heads, head_dim] -> rotated q, k."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, head_dim // 2]: the rows of this step."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by each token's (cos, sin) from `cos_sin`."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -22,7 +22,7 @@ from torch import nn
 from nanollmserve.layers.activation import SiluAndMul
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.norm import RMSNorm
-from nanollmserve.layers.rotary import RotaryEmbedding
+from nanollmserve.layers.rotary import RotaryEmbedding, apply_rotary
 from nanollmserve.model.model_config import ModelConfig
 
 
@@ -37,7 +37,7 @@ class DecoderOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -52,19 +52,25 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.rotary_emb = rotary_emb
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """rope: this step's (cos, sin) rows from `RotaryEmbedding.cos_sin`."""
+        qkv = self.qkv_proj(hidden)
+        num_tokens = qkv.shape[0]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            qk = torch.cat([q, k], dim=1)
+        else:  # q and k are adjacent in the fused output: rotate both in one call
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -81,22 +87,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, options: DecoderOptions):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, options)
+        self.self_attn = LlamaAttention(config, options)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP output and the residual stream before it; the next norm adds them."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -105,18 +114,19 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(
+        self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, options) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, options) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb.cos_sin(positions)  # once per step, shared by every layer
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
