@@ -29,6 +29,16 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass
+class StepStats:
+    """What the latest step did: the per-step numbers of the metrics (see `metrics/`)."""
+
+    num_scheduled_tokens: int
+    """Tokens the model ran: prompt chunks plus one per decoding request."""
+    inter_token_latencies: list[float]
+    """Seconds since the previous token of each request that got a token (not its first)."""
+
+
+@dataclass
 class EngineStats:
     """A snapshot of the engine for /stats, metrics and logs."""
 
@@ -42,6 +52,8 @@ class EngineStats:
     num_prompt_tokens: int
     """Prompt tokens of the requests that produced their first token."""
     num_generation_tokens: int
+    last_step: StepStats | None = None
+    """The latest step (None before the first); observers read it in `on_step`."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -76,6 +88,7 @@ class EngineCore:
             seed=config.seed,
         )
         self.num_steps = 0
+        self.last_step: StepStats | None = None
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, core_request: EngineCoreRequest) -> None:
@@ -113,7 +126,11 @@ class EngineCore:
             return []
         sampled = self.model_runner.execute_model(scheduled, self.kv_cache)
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduled, sampled)
+        outputs = self.scheduler.update_from_output(scheduled, sampled)
+        self.last_step = StepStats(
+            scheduled.total_num_tokens, self.scheduler.step_inter_token_latencies
+        )
+        return outputs
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -126,6 +143,7 @@ class EngineCore:
             num_steps=self.num_steps,
             num_prompt_tokens=self.scheduler.num_prompt_tokens,
             num_generation_tokens=self.scheduler.num_generation_tokens,
+            last_step=self.last_step,
         )
 
     # -- sizing ---------------------------------------------------------------------------

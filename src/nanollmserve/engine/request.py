@@ -59,6 +59,7 @@ class Request:
         self.stop_reason: int | None = None
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, grown lazily
         self.first_scheduled_time: float | None = None
+        self.last_token_time: float | None = None  # when its latest token was sampled
         # Set by the model runner on first use, on its device (seeded requests only).
         self.generator: torch.Generator | None = None
 
