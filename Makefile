@@ -16,7 +16,8 @@ check:
 test:
 	M="$(M)" scripts/test
 
-# Tests that need external programs (e.g. prometheus); none exist yet, which is not a failure.
+# Tests that need external programs: a real Prometheus scraping a live server (installed with
+# apt-get when missing, skipped where that is impossible). Selecting none is not a failure.
 test-integration:
 	M="$(M)" scripts/test -m integration || [ $$? -eq 5 ]
 

@@ -1,8 +1,9 @@
 """`create_app(engine, settings)`: the FastAPI app of the OpenAI-compatible server.
 
-It wires the routes (`routes.py`) to a ServerContext, installs the OpenAI-shaped error
-handlers, the body-size cap and (with an API key) authentication, and documents 400 instead
-of FastAPI's 422 in /openapi.json, because validation errors answer 400 here.
+It wires the routes (`routes.py`) to a ServerContext, registers the Prometheus metrics
+(`app.state.metrics`, an engine observer served at /metrics), installs the OpenAI-shaped
+error handlers, the body-size cap and (with an API key) authentication, and documents 400
+instead of FastAPI's 422 in /openapi.json, because validation errors answer 400 here.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from nanollmserve import __version__
-from nanollmserve.api.auth import APIKeyMiddleware
+from nanollmserve.api.auth import OPEN_PATHS, APIKeyMiddleware
 from nanollmserve.api.body_limit import BodySizeLimitMiddleware
 from nanollmserve.api.errors import install_error_handlers
 from nanollmserve.api.routes import router
 from nanollmserve.api.serving import ServerContext, ServerSettings
 from nanollmserve.frontend.async_engine import AsyncEngine
+from nanollmserve.metrics import ServerMetrics
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -29,12 +31,17 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         description="An OpenAI-compatible LLM inference server written from scratch in Python.",
     )
     app.state.ctx = ServerContext(engine, settings)
+    app.state.metrics = ServerMetrics(
+        app.state.ctx.model_name, lambda: engine.stats().engine, engine.max_model_len
+    )
+    engine.add_observer(app.state.metrics)
     app.include_router(router)
     install_error_handlers(app)
     # Outermost last: auth runs before the body is read, then the size cap.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        open_paths = OPEN_PATHS if settings.metrics_require_auth else OPEN_PATHS | {"/metrics"}
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     app.openapi = lambda: _openapi(app)
     return app
 

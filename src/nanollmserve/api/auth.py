@@ -1,6 +1,7 @@
 """API-key authentication: with `--api-key` (or NANOLLMSERVE_API_KEY) set, every route except
 /health needs `Authorization: Bearer <key>`; anything else answers 401 in the OpenAI error
-shape. The key is compared in constant time and never logged.
+shape. The key is compared in constant time and never logged. `open_paths` widens the
+exceptions (the app adds /metrics unless `--metrics-require-auth`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = b""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse, Response
 
 from nanollmserve.api import serving_chat, serving_completions, serving_responses, simple_api
 from nanollmserve.api.errors import APIError, error_response
@@ -25,6 +26,7 @@ from nanollmserve.api.protocol_chat import ChatCompletionRequest, ChatCompletion
 from nanollmserve.api.protocol_completions import CompletionRequest, CompletionResponse
 from nanollmserve.api.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
 from nanollmserve.api.serving import ServerContext
+from nanollmserve.metrics import CONTENT_TYPE_LATEST
 
 _ERRORS = {
     status: {"model": ErrorResponse, "description": description}
@@ -64,6 +66,17 @@ async def health(ctx: Ctx):
     if not ctx.engine.is_accepting:
         return error_response(503, "engine is not available", code="engine_unavailable")
     return HealthResponse()
+
+
+@router.get(
+    "/metrics",
+    tags=["server"],
+    response_class=PlainTextResponse,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics in the text format (open to scrapers unless --metrics-require-auth)."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/stats", response_model=StatsResponse, tags=["server"])

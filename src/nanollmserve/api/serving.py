@@ -29,7 +29,10 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)
     """Names the model answers to; the first is the one reported. Empty: the model's name."""
     api_key: str | None = None
-    """When set, every route except /health needs `Authorization: Bearer <api_key>`."""
+    """When set, every route except /health (and /metrics, see below) needs
+    `Authorization: Bearer <api_key>`."""
+    metrics_require_auth: bool = False
+    """With an api_key, /metrics needs it too; by default scrapers read /metrics freely."""
     max_request_bytes: int = MAX_REQUEST_BYTES
     response_store_size: int = 1024
     """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""

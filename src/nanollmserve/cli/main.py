@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "nanollmserve.cli.generate",
     "nanollmserve.cli.bench",
     "nanollmserve.cli.serve",
+    "nanollmserve.cli.profile",
 ]
 
 

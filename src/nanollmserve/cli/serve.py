@@ -1,10 +1,11 @@
-"""`nanollmserve serve [MODEL]`: the OpenAI-compatible HTTP server.
+"""`nanollmserve serve [MODEL]`: the OpenAI-compatible HTTP server (and, with `--grpc-port`,
+the gRPC service on the same engine).
 
-Binds the socket first (a busy port fails at once), loads the model into an AsyncEngine,
+Binds the sockets first (a busy port fails at once), loads the model into an AsyncEngine,
 then serves with uvicorn and logs one line when ready: URL, model, device, dtype, KV blocks
-and time to ready. SIGINT / SIGTERM shut down gracefully: new requests get 503, running
-ones get `--shutdown-timeout` seconds to finish, the rest are aborted, and the process
-exits 0.
+and time to ready. SIGINT / SIGTERM shut down gracefully: new requests get 503 (gRPC:
+UNAVAILABLE), running ones get `--shutdown-timeout` seconds to finish, the rest are aborted,
+and the process exits 0. `--log-stats-interval S` logs the engine's load every S seconds.
 """
 
 from __future__ import annotations
@@ -64,6 +65,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     group.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve gRPC (proto/nanollmserve.proto) on this port of --host (default: off)",
+    )
+    group.add_argument(
+        "--metrics-require-auth",
+        action="store_true",
+        help="with --api-key, require the key on /metrics too (default: open to scrapers)",
+    )
+    group.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="log running/waiting, KV usage, tokens/s and prefix-cache hit rate every S "
+        "seconds (default 0: off)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -85,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-queue-len must be >= 0, got {max_queue_len}")
     if args.shutdown_timeout < 0:
         raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.log_stats_interval < 0:
+        raise UserError(f"--log-stats-interval must be >= 0, got {args.log_stats_interval}")
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)
     sock = _bind(args.host, args.port)
@@ -99,14 +121,33 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
 
     from nanollmserve.api import ServerSettings, create_app
     from nanollmserve.frontend.async_engine import AsyncEngine
+    from nanollmserve.metrics import StatsLogger
 
+    grpc_server = grpc_port = None
+    if args.grpc_port is not None:
+        from nanollmserve.api.grpc_server import bind_grpc_server, serve_grpc
+
+        grpc_server, grpc_port = bind_grpc_server(args.host, args.grpc_port)
     engine = await asyncio.to_thread(
         AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
     )
-    settings = ServerSettings(served_model_names=args.served_model_name or [], api_key=args.api_key)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [],
+        api_key=args.api_key,
+        metrics_require_auth=args.metrics_require_auth,
+    )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
     url = f"http://{_url_host(host)}:{port}"
+    if grpc_server is not None:
+        await serve_grpc(
+            grpc_server, engine, model_name=app.state.ctx.model_name, api_key=args.api_key
+        )
+        url += f" grpc={_url_host(host)}:{grpc_port}"
+    stats_task = None
+    if args.log_stats_interval > 0:
+        stats_logger = StatsLogger(lambda: engine.stats().engine, args.log_stats_interval)
+        stats_task = asyncio.create_task(stats_logger.run())
     core = engine.engine
 
     def ready_line() -> str:
@@ -129,6 +170,10 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     try:
         await server.serve(sockets=[sock])
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        if grpc_server is not None:  # in-flight calls get the same grace as HTTP ones
+            await grpc_server.stop(args.shutdown_timeout)
         await engine.shutdown(timeout=0)
     logger.info("nanollmserve stopped")
     return 0
