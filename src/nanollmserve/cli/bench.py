@@ -9,6 +9,9 @@ BENCH_MODULES = [
     "nanollmserve.bench.latency",
     "nanollmserve.bench.throughput",
     "nanollmserve.bench.blocks",
+    "nanollmserve.bench.serve",
+    "nanollmserve.bench.prefix",
+    "nanollmserve.bench.ablation",
 ]
 
 
