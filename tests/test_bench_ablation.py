@@ -28,8 +28,10 @@ def test_bench_ablation_runs_all_five_systems(tmp_path):
     for system in systems.values():
         assert system["requests"] == 5 and system["output_tokens"] == 15
         assert system["output_tokens_per_s"] > 0 and system["ttft_p95_ms"] > 0
-    # "Off" means the longest prompt (80) + max_num_seqs fits one step; "on" is the budget.
-    assert systems["engine_continuous_batching"]["max_num_batched_tokens"] == 80 + 64
+    # "Off": a budget no step can exceed (all 5 prompts + a decode token for 64 sequences).
+    assert systems["engine_continuous_batching"]["max_num_batched_tokens"] == (
+        result["prompt_tokens"] + 64
+    )
     assert systems["engine_chunked_prefill"]["max_num_batched_tokens"] == 32
     assert systems["engine_continuous_batching"]["prefix_cache_hit_rate"] == 0
     assert systems["engine_prefix_caching"]["prefix_cache_hit_rate"] > 0

@@ -1,0 +1,173 @@
+"""Markdown tables for docs/benchmarks.md from the JSON files scripts/bench-all writes.
+
+    python scripts/bench_summary.py docs/assets/bench > summary.md
+
+Each table matches a results table of docs/benchmarks.md; a benchmark whose JSON is missing
+(not run, or failed) is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(out: Path, name: str) -> dict | None:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
+    lines.append("| " + " | ".join("---" for _ in header) + " |")
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def serve_row(label: str, r: dict) -> list:
+    return [
+        label,
+        r["max_concurrency"],
+        f"{r['completed']}/{r['failed']}",
+        r["request_throughput"],
+        r["output_throughput"],
+        r["ttft_ms"]["p50"],
+        r["ttft_ms"]["p95"],
+        r["tpot_ms"]["p50"],
+        r["itl_ms"]["p95"],
+        r["e2el_ms"]["p50"],
+    ]
+
+
+SERVE_HEADER = [
+    "run", "concurrency", "done/failed", "req/s", "output tok/s", "TTFT p50 ms",
+    "TTFT p95 ms", "TPOT p50 ms", "ITL p95 ms", "E2E p50 ms",
+]  # fmt: skip
+
+
+def peer_ratios(out: Path) -> str:
+    """Ours / llama.cpp: output tok/s at the highest concurrency both ran, and single-stream
+    decode tok/s (1000 / TPOT p50)."""
+    lines = []
+    for name in sorted(p.stem for p in out.glob("serve-ours-c*.json")):
+        level = name.removeprefix("serve-ours-c")
+        ours, peer = load(out, name), load(out, f"serve-llamacpp-c{level}")
+        if not peer:
+            continue
+        lines.append(
+            f"- concurrency {level}: output tok/s ours / llama.cpp = "
+            f"{ours['output_throughput'] / peer['output_throughput']:.2f}"
+        )
+        if level == "1" and ours["tpot_ms"]["p50"] and peer["tpot_ms"]["p50"]:
+            lines.append(
+                f"- single stream: decode tok/s ours {1000 / ours['tpot_ms']['p50']:.1f}, "
+                f"llama.cpp {1000 / peer['tpot_ms']['p50']:.1f}, ratio "
+                f"{peer['tpot_ms']['p50'] / ours['tpot_ms']['p50']:.2f}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(out: Path) -> None:
+    parts = []
+    if machine := load(out, "machine"):
+        parts.append(
+            f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+            f"git {machine['git']}, {machine['date']}.\n"
+        )
+    if r := load(out, "latency"):
+        rows = [
+            [name, s["ttft_ms"], s["tpot_ms"], s["decode_tokens_per_s"], s["tokens_per_s"]]
+            for name, s in r["results"].items()
+        ]
+        header = ["system", "TTFT ms", "TPOT ms", "decode tok/s", "end-to-end tok/s"]
+        parts.append(table(f"latency ({r['dtype']})", header, rows))
+    if r := load(out, "throughput"):
+        rows = [
+            [name, s["requests"], s["requests_per_s"], s["output_tokens_per_s"]]
+            for name, s in r["results"].items()
+        ]
+        parts.append(
+            table(
+                f"throughput ({r['dtype']}; ratios {r['ratios']})",
+                ["system", "requests", "req/s", "output tok/s"],
+                rows,
+            )
+        )
+    if r := load(out, "blocks"):
+        rows = [
+            [
+                name,
+                s["utilization"],
+                s["wasted_tokens_per_request"],
+                s["max_concurrent_requests_in_budget"],
+            ]
+            for name, s in r["schemes"].items()
+        ]
+        header = ["scheme", "utilization", "wasted tokens/request", "requests in budget"]
+        parts.append(table("blocks", header, rows))
+    if r := load(out, "serve-sweep"):
+        rows = [serve_row("ours", run) for run in r["sweep"]]
+        parts.append(table("serve sweep", SERVE_HEADER, rows))
+    if r := load(out, "serve-shared-prefix"):
+        hit = (r.get("server") or {}).get("prefix_cache_hit_rate")
+        parts.append(
+            table(f"serve shared-prefix (hit rate {hit})", SERVE_HEADER, [serve_row("ours", r)])
+        )
+    peer_rows = []
+    for name in sorted(p.stem for p in out.glob("serve-*-c*.json")):
+        if (r := load(out, name)) and not name.startswith("serve-sweep"):
+            peer_rows.append(serve_row(name.removeprefix("serve-"), r))
+    if peer_rows:
+        parts.append(table("peer: llama.cpp vs ours", SERVE_HEADER, peer_rows))
+        parts.append(peer_ratios(out))
+    if r := load(out, "mini-vllm"):
+        header = ["run", "model", "requests", "concurrency", "done/failed", "req/s",
+                  "output tok/s", "TTFT p50 ms", "E2E p50 ms"]  # fmt: skip
+        rows = [
+            [
+                "ours", r["model"], r["num_prompts"], r["max_concurrency"],
+                f"{r['completed']}/{r['failed']}", r["request_throughput"],
+                r["output_throughput"], r["ttft_ms"]["p50"], r["e2el_ms"]["p50"],
+            ],
+            ["Mini-vLLM write-up (CPU)", "not named", 500, 50, "500/0", 1308, "39,239",
+             "p50 16.5 ms (metric not named)", ""],
+        ]  # fmt: skip
+        parts.append(table("mini-vllm preset", header, rows))
+    rows = []
+    for name in ("prefix", "prefix-llamacpp"):
+        if r := load(out, name):
+            rows.append(
+                [
+                    name,
+                    r["cold_ttft_ms"]["p50"],
+                    r["cold_ttft_ms"]["p95"],
+                    r["warm_ttft_ms"]["p50"],
+                    r["warm_ttft_ms"]["p95"],
+                    r["warm_over_cold_p50"],
+                    r["hit_rate"],
+                ]
+            )
+    if rows:
+        header = ["run", "cold p50 ms", "cold p95 ms", "warm p50 ms", "warm p95 ms",
+                  "warm/cold", "hit rate"]  # fmt: skip
+        parts.append(table("prefix", header, rows))
+    if r := load(out, "ablation"):
+        rows = [
+            [
+                name,
+                s["output_tokens_per_s"],
+                s["ttft_p50_ms"],
+                s["ttft_p95_ms"],
+                s["itl_p95_ms"],
+                s.get("prefix_cache_hit_rate", ""),
+            ]
+            for name, s in r["systems"].items()
+        ]
+        header = ["system", "output tok/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p95 ms", "hit rate"]
+        parts.append(table(f"ablation ({r['dtype']})", header, rows))
+    print("\n".join(parts))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/assets/bench"))
