@@ -34,8 +34,7 @@ from nanollmserve.frontend.engine_loop import (
     ServingStats,
 )
 from nanollmserve.frontend.input_processor import InputProcessor
-from nanollmserve.frontend.output_processor import OutputProcessor
-from nanollmserve.frontend.tokenizer import chat_prompt_token_ids, load_tokenizer
+from nanollmserve.frontend.tokenizer import chat_prompt_token_ids
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 
@@ -107,8 +106,9 @@ class AsyncEngine:
         engine: EngineCore | None = None,
     ) -> None:
         self.config = config
-        self.engine = engine or EngineCore(config)
-        self.tokenizer = load_tokenizer(self.engine.loaded.model_dir)
+        self.engine_loop = EngineLoop(lambda: engine or EngineCore(config))
+        self.engine = self.engine_loop.engine
+        self.tokenizer = self.engine_loop.tokenizer
         self.chat_template = chat_template
         self.max_model_len = self.engine.max_model_len
         self.max_num_seqs = config.max_num_seqs
@@ -116,7 +116,6 @@ class AsyncEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self.engine.model_config.vocab_size
         )
-        self.engine_loop = EngineLoop(self.engine, OutputProcessor(self.tokenizer))
         self._ids = itertools.count()
         self._accepting = True
 
