@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_bench_serve import run_bench
 
-pytestmark = pytest.mark.milestone("m12")
+pytestmark = [pytest.mark.milestone("m12"), pytest.mark.milestone("m08")]
 
 
 def test_bench_prefix_warm_ttft_is_below_cold(tmp_path):

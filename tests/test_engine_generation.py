@@ -27,6 +27,7 @@ def long_text(num_words: int, seed: int = 0) -> str:
 
 
 @pytest.mark.milestone("m01")
+@pytest.mark.milestone("m03")
 def test_greedy_matches_hugging_face_generate(llm):
     """64 greedy tokens for several chat prompts equal HF generate(do_sample=False)."""
     from transformers import AutoModelForCausalLM

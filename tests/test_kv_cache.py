@@ -42,6 +42,7 @@ def test_allocation_fails_cleanly_when_the_pool_is_short():
     assert kv.num_free_blocks == 2 and kv.block_ids("a") == []
 
 
+@pytest.mark.milestone("m08")
 def test_prefix_hit_shares_blocks_by_ref_count():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     first = make_request("a", list(range(10)))
@@ -57,6 +58,7 @@ def test_prefix_hit_shares_blocks_by_ref_count():
     assert kv.num_free_blocks == 10
 
 
+@pytest.mark.milestone("m08")
 def test_at_least_one_token_is_left_to_compute():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     first = make_request("a", list(range(8)))
@@ -65,6 +67,7 @@ def test_at_least_one_token_is_left_to_compute():
     assert len(kv.get_computed_blocks(same)) == 1  # not 2: the last token must run
 
 
+@pytest.mark.milestone("m08")
 def test_freed_blocks_stay_findable_until_evicted_lru():
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
     first = make_request("a", list(range(9)))
@@ -79,6 +82,7 @@ def test_freed_blocks_stay_findable_until_evicted_lru():
     assert kv.stats().num_cached_blocks == 4  # c's own full blocks
 
 
+@pytest.mark.milestone("m08")
 def test_equal_hash_with_different_tokens_is_not_a_hit():
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     first = make_request("a", [1, 2, 3])
@@ -89,3 +93,15 @@ def test_equal_hash_with_different_tokens_is_not_a_hit():
     kv._extend_block_hashes(other, 1)
     kv.pool.cached_blocks[other.block_hashes[0]] = block
     assert kv.get_computed_blocks(other) == []
+
+
+def test_pool_is_sized_from_kv_cache_memory(make_llm):
+    """--kv-cache-memory bytes -> blocks of 2 * layers * kv_heads * head_dim * itemsize * 16."""
+    llm = make_llm(num_kv_blocks=None, kv_cache_memory=8 * 1024 * 1024, block_size=16)
+    engine = llm.engine
+    config = engine.model_config
+    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * 16
+    assert engine.num_kv_blocks == 8 * 1024 * 1024 // per_block
+    kv = engine.model_runner.kv_cache
+    assert kv.numel() * kv.element_size() == engine.num_kv_blocks * per_block
+    assert engine.max_model_len == engine.num_kv_blocks * 16  # capped to what the pool holds

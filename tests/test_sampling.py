@@ -19,6 +19,7 @@ def texts(outputs):
     return [c.text for o in outputs for c in o.outputs]
 
 
+@pytest.mark.milestone("m01")
 def test_same_seed_same_output_whatever_the_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16)
     alone = llm.generate(PROMPT, params)[0].outputs[0].token_ids
@@ -29,6 +30,7 @@ def test_same_seed_same_output_whatever_the_batch(llm):
     assert different[0].outputs[0].token_ids != alone
 
 
+@pytest.mark.milestone("m08")
 def test_n_completions_share_the_prompt_blocks(llm):
     prompt = PROMPT + " " + "there lived an old fisherman who " * 6
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
@@ -131,6 +133,34 @@ def test_logit_bias_and_penalties_change_the_choice(llm):
     )[0].outputs[0]
     assert penalized.token_ids != plain.token_ids
     assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
+
+
+def test_top_p_keeps_the_smallest_set_that_covers_p(llm):
+    """top_p=0.5: each sampled token lies in the nucleus: the tokens ranked above it cover
+    less than half of the (raw) probability mass."""
+    params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=16, seed=11, logprobs=20)
+    completion = llm.generate(PROMPT, params)[0].outputs[0]
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        rank = entry[token_id].rank
+        above = sorted((lp.logprob for lp in entry.values()), reverse=True)[: rank - 1]
+        assert sum(math.exp(lp) for lp in above) < 0.5 + 1e-4
+    wide = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16, seed=11, logprobs=20)
+    narrow_ranks = [
+        e[t].rank for t, e in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
+    wide_out = llm.generate(PROMPT, wide)[0].outputs[0]
+    wide_ranks = [e[t].rank for t, e in zip(wide_out.token_ids, wide_out.logprobs, strict=True)]
+    assert max(wide_ranks) >= max(narrow_ranks)
+
+
+def test_presence_penalty_discourages_tokens_already_generated(llm):
+    plain = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    penalized = llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=2.0)
+    )[0].outputs[0]
+    assert penalized.token_ids != plain.token_ids
+    repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
+    assert repeats(penalized.token_ids) < repeats(plain.token_ids)
 
 
 def test_sampling_filters_keep_tokens_in_the_allowed_set(llm):

@@ -82,6 +82,7 @@ def test_preemption_picks_the_newest_and_requeues_it_first(make_llm):
     assert [rid for rid, _ in recomputes].count("p2") >= 2  # started again from zero
 
 
+@pytest.mark.milestone("m08")
 def test_prefix_lookups_are_counted_once_per_request(make_llm):
     """A request waiting for blocks is looked up every step; it is counted once."""
     llm = make_llm(num_kv_blocks=8, block_size=16, max_model_len=128)

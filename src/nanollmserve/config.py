@@ -37,8 +37,6 @@ class EngineConfig:
     """Reuse the KV blocks of shared prompt prefixes."""
     seed: int = 0
     """Seed of the sampler for requests that do not set their own."""
-    compile: bool = False
-    """torch.compile the model forward (slower start, faster steps)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -1,7 +1,7 @@
 """`nanollmserve generate`: complete one prompt (or one chat turn) from the command line.
 
-It runs the same engine as the server through the offline `LLM` API. With `--stream` the
-text is printed as it is generated; `--show-stats` prints token counts and timings after.
+It runs the same engine as the server through the offline `LLM` API; `--show-stats` prints
+token counts and timings after the text, `--json` prints both as one JSON object.
 """
 
 from __future__ import annotations
