@@ -114,6 +114,10 @@ def main(out: Path) -> None:
         parts.append(
             table(f"serve shared-prefix (hit rate {hit})", SERVE_HEADER, [serve_row("ours", r)])
         )
+    if r := load(out, "serve-http-vs-grpc"):
+        rows = [serve_row(name, r[name]) for name in ("openai", "grpc")]
+        ratios = ", ".join(f"{k} {v}" for k, v in (r.get("ratios") or {}).items())
+        parts.append(table("serve: HTTP vs gRPC", SERVE_HEADER, rows) + f"\n{ratios}\n")
     peer_rows = []
     for name in sorted(p.stem for p in out.glob("serve-*-c*.json")):
         if (r := load(out, name)) and not name.startswith("serve-sweep"):

@@ -188,3 +188,19 @@ def test_sse_client_times_chunks_and_falls_back_when_there_is_no_usage():
     assert result.prompt_tokens == 2  # the intended count, as no server count exists
     assert 0 < result.ttft <= result.e2e
     assert server_root("http://h:1/v1/") == "http://h:1"
+
+
+@pytest.mark.milestone("m11")
+def test_serve_compares_http_and_grpc_in_one_json():
+    result = run_bench(
+        "serve", "--backend", "both", "--num-prompts", "3", "--max-concurrency", "3",
+        "--input-len", "16", "--output-len", "4", "--ignore-eos", "--disable-tqdm",
+        "--server-args", "--dtype float32",
+    )  # fmt: skip
+    assert result["backend"] == "both"
+    for name in ("openai", "grpc"):
+        run = result[name]
+        assert run["backend"] == name
+        assert run["completed"] == 3 and run["failed"] == 0
+        assert run["total_output_tokens"] == 12
+    assert result["ratios"]["grpc_vs_openai_output_throughput"] > 0

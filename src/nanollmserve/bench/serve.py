@@ -27,7 +27,7 @@ import time
 from tqdm import tqdm
 
 from nanollmserve.bench import serve_workloads as workloads
-from nanollmserve.bench.report import add_common_args, emit, log
+from nanollmserve.bench.report import add_common_args, emit, log, ratio
 from nanollmserve.bench.serve_client import GrpcBackend, OpenAIBackend, RequestResult
 from nanollmserve.bench.serve_metrics import parse_goodput, summarize
 from nanollmserve.errors import UserError
@@ -53,7 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument(
         "--server-args", default="", help="extra `nanollmserve serve` flags for our own server"
     )
-    target.add_argument("--backend", choices=["openai", "grpc"], default="openai")
+    target.add_argument(
+        "--backend",
+        choices=["openai", "grpc", "both"],
+        default="openai",
+        help="both: the same workload over HTTP, then over gRPC, on one server; one JSON",
+    )
     target.add_argument("--grpc-target", default=None, help="host:port of gRPC (with --base-url)")
     target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     target.add_argument("--model", default=None, help="model name (default: from /v1/models)")
@@ -202,7 +207,7 @@ async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, l
         "backend": backend.name,
         "endpoint": args.endpoint,
         "base_url": args.base_url or ("" if args.grpc_target else "own server"),
-        "grpc_target": args.grpc_target if args.backend == "grpc" else None,
+        "grpc_target": args.grpc_target if backend.name == "grpc" else None,
         "model": backend.model,
         "workload": args.workload,
         "preset": args.preset,
@@ -234,8 +239,23 @@ def _detail(r: RequestResult) -> dict:
     }
 
 
-def make_backend(args, base_url: str, grpc_target: str | None):
-    if args.backend == "grpc":
+def _side_by_side(measured: list[tuple[dict, list]]) -> tuple[dict, list]:
+    """HTTP and gRPC results of one workload in one JSON, with gRPC/HTTP ratios."""
+    (http, http_raw), (grpc, _) = measured
+    result = {"benchmark": "serve", "backend": "both", "openai": http, "grpc": grpc}
+    if "sweep" not in http:
+        result["ratios"] = {
+            "grpc_vs_openai_output_throughput": ratio(
+                grpc["output_throughput"], http["output_throughput"]
+            ),
+            "grpc_vs_openai_ttft_p50": ratio(grpc["ttft_ms"]["p50"], http["ttft_ms"]["p50"]),
+            "grpc_vs_openai_tpot_p50": ratio(grpc["tpot_ms"]["p50"], http["tpot_ms"]["p50"]),
+        }
+    return result, http_raw  # the plot shows the HTTP run
+
+
+def make_backend(args, name: str, base_url: str, grpc_target: str | None):
+    if name == "grpc":
         if not grpc_target:
             raise UserError("--backend grpc with --base-url needs --grpc-target HOST:PORT")
         backend = GrpcBackend(grpc_target, args.endpoint, args.api_key, stats_url=base_url)
@@ -262,23 +282,34 @@ def run(args: argparse.Namespace) -> int:
     parse_goodput(args.goodput)  # fail on a typo before a server starts
     words = workloads.WordTokens(load_tokenizer(resolve_model(args.tokenizer).path))
 
-    async def measure(base_url: str, grpc_target: str | None):
-        backend = make_backend(args, base_url, grpc_target)
-        try:
-            return await benchmark(args, backend, words)
-        finally:
-            await backend.close()
+    names = ["openai", "grpc"] if args.backend == "both" else [args.backend]
 
-    if args.base_url or (args.backend == "grpc" and args.grpc_target):
-        result, raw = asyncio.run(measure(args.base_url, args.grpc_target))
+    async def measure(base_url: str, grpc_target: str | None):
+        results = []
+        for index, name in enumerate(names):
+            backend = make_backend(args, name, base_url, grpc_target)
+            # The second backend gets other prompts (same lengths): no prefix-cache help.
+            run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * index})
+            try:
+                results.append(await benchmark(run_args, backend, words))
+            finally:
+                await backend.close()
+        return results
+
+    if args.base_url or (args.backend != "openai" and args.grpc_target):
+        measured = asyncio.run(measure(args.base_url, args.grpc_target))
+        server_args = None
     else:
         serve_args = shlex.split(args.server_args)
         if "--max-queue-len" not in serve_args:  # never reject a request of the benchmark
             serve_args += ["--max-queue-len", str(max(256, args.num_prompts))]
-        with OwnServer(serve_args, grpc=args.backend == "grpc") as server:
-            target = server.grpc_target if args.backend == "grpc" else None
-            result, raw = asyncio.run(measure(server.url, target))
-        result["server_args"] = " ".join(serve_args)
+        with OwnServer(serve_args, grpc="grpc" in names) as server:
+            target = server.grpc_target if "grpc" in names else None
+            measured = asyncio.run(measure(server.url, target))
+        server_args = " ".join(serve_args)
+    result, raw = measured[0] if len(measured) == 1 else _side_by_side(measured)
+    if server_args is not None:
+        result["server_args"] = server_args
     if args.plot:
         from nanollmserve.bench.plots import plot_serve
 
