@@ -1,0 +1,147 @@
+"""Where an engine step's time goes: the breakdown table of docs/benchmarks.md.
+
+    .venv/bin/python scripts/profile_breakdown.py [--batch 1,32] [--steps 30] [--serve]
+
+Offline part: the bundled model (CPU default dtype), B requests decoding together; each
+step is split, with wall-clock timers around the engine's own functions (no profiler, whose
+per-op cost would distort a step of ~1000 small ops), into scheduling, input building, model
+forward, the attention layers inside it (K/V store, gather through the block tables, SDPA),
+logits, sampling, engine update and detokenization (the output processor). `--serve` adds
+the server's share: our server under `bench serve` at concurrency 32, with the CPU time of
+the HTTP thread (the process's main thread: asyncio, JSON, SSE) against the whole process,
+read from /proc.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanollmserve import LLM, SamplingParams
+from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.layers.attention import PagedAttention
+
+
+def offline(batch: int, steps: int) -> dict:
+    llm = LLM(num_kv_blocks=4096)
+    engine, runner = llm.engine, llm.engine.model_runner
+    timings = dict.fromkeys(
+        ["schedule", "inputs", "forward", "attention", "logits", "sampling", "update",
+         "detokenize"],
+        0.0,
+    )  # fmt: skip
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timings[name] += time.perf_counter() - start
+
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = timed("update", engine.scheduler.update_from_output)
+    runner._prepare_inputs = timed("inputs", runner._prepare_inputs)
+    runner.model.forward = timed("forward", runner.model.forward)
+    PagedAttention.forward = timed("attention", PagedAttention.forward)
+    runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    runner.sampler.__class__.__call__ = timed("sampling", runner.sampler.__class__.__call__)
+    processor = llm.output_processor
+    processor.process_outputs = timed("detokenize", processor.process_outputs)
+    for output_id, text in [(str(i), "Once upon a time " * 32) for i in range(batch)]:
+        prompt, token_ids = llm.input_processor.tokenize(text)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+        processor.add_request(output_id, prompt, token_ids, [output_id], params, time.time())
+        engine.add_request(EngineCoreRequest(output_id, token_ids, params))
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        processor.process_outputs(engine.step())
+    for _ in range(5):
+        processor.process_outputs(engine.step())
+    for key in timings:
+        timings[key] = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        processor.process_outputs(engine.step())
+    total = time.perf_counter() - start
+    attention = timings["attention"]
+    engine.abort_requests([str(i) for i in range(batch)])
+    parts = {
+        "model forward (without attention)": timings["forward"] - attention,
+        "attention (paged: store, gather, SDPA)": attention,
+        "logits (lm_head)": timings["logits"],
+        "sampling": timings["sampling"],
+        "scheduling + inputs + update": timings["schedule"] + timings["inputs"] + timings["update"],
+        "detokenize (output processor)": timings["detokenize"],
+    }
+    parts["other"] = total - sum(parts.values())
+    return {
+        "batch": batch,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "step_ms": round(total / steps * 1000, 2),
+        "ms_per_step": {k: round(v / steps * 1000, 2) for k, v in parts.items()},
+        "percent": {k: round(100 * v / total, 1) for k, v in parts.items()},
+    }
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_share(port: int = 8123) -> dict:
+    exe = [sys.executable, "-m", "nanollmserve.cli.main"]
+    server = subprocess.Popen(
+        [*exe, "serve", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        for line in server.stderr:
+            if b"ready" in line:
+                break
+        before = cpu_seconds(server.pid), cpu_seconds(server.pid, server.pid)
+        subprocess.run(
+            [*exe, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--ignore-eos",
+             "--num-prompts", "64", "--input-len", "128", "--output-len", "128",
+             "--max-concurrency", "32", "--disable-tqdm"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        total = cpu_seconds(server.pid) - before[0]
+        http = cpu_seconds(server.pid, server.pid) - before[1]
+    finally:
+        server.terminate()
+        server.wait()
+    return {
+        "workload": "bench serve, 64 requests, 128 in / 128 out, concurrency 32",
+        "process_cpu_s": round(total, 2),
+        "http_thread_cpu_s": round(http, 2),
+        "http_percent": round(100 * http / total, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", default="1,32")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--serve", action="store_true")
+    args = parser.parse_args()
+    result = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    result["offline"] = [offline(int(b), args.steps) for b in args.batch.split(",")]
+    if args.serve:
+        result["serve"] = serve_share()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
