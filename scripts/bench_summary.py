@@ -47,24 +47,25 @@ SERVE_HEADER = [
 
 
 def peer_ratios(out: Path) -> str:
-    """Ours / llama.cpp: output tok/s at the highest concurrency both ran, and single-stream
-    decode tok/s (1000 / TPOT p50)."""
+    """Ours (bf16, and int8 weights where measured) / llama.cpp: output tok/s at each
+    concurrency both ran, and single-stream decode tok/s (1000 / TPOT p50)."""
     lines = []
-    for name in sorted(p.stem for p in out.glob("serve-ours-c*.json")):
-        level = name.removeprefix("serve-ours-c")
-        ours, peer = load(out, name), load(out, f"serve-llamacpp-c{level}")
-        if not peer:
-            continue
-        lines.append(
-            f"- concurrency {level}: output tok/s ours / llama.cpp = "
-            f"{ours['output_throughput'] / peer['output_throughput']:.2f}"
-        )
-        if level == "1" and ours["tpot_ms"]["p50"] and peer["tpot_ms"]["p50"]:
+    for prefix, label in (("serve-ours-c", "ours"), ("serve-ours-int8-c", "ours int8")):
+        for name in sorted(p.stem for p in out.glob(f"{prefix}*.json")):
+            level = name.removeprefix(prefix)
+            ours, peer = load(out, name), load(out, f"serve-llamacpp-c{level}")
+            if not peer:
+                continue
             lines.append(
-                f"- single stream: decode tok/s ours {1000 / ours['tpot_ms']['p50']:.1f}, "
-                f"llama.cpp {1000 / peer['tpot_ms']['p50']:.1f}, ratio "
-                f"{peer['tpot_ms']['p50'] / ours['tpot_ms']['p50']:.2f}"
+                f"- {label}, concurrency {level}: output tok/s {label} / llama.cpp = "
+                f"{ours['output_throughput'] / peer['output_throughput']:.2f}"
             )
+            if level == "1" and ours["tpot_ms"]["p50"] and peer["tpot_ms"]["p50"]:
+                lines.append(
+                    f"- {label}, single stream: decode tok/s {1000 / ours['tpot_ms']['p50']:.1f}"
+                    f" vs llama.cpp {1000 / peer['tpot_ms']['p50']:.1f}, ratio "
+                    f"{peer['tpot_ms']['p50'] / ours['tpot_ms']['p50']:.2f}"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -154,6 +154,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         return (
             f"nanollmserve ready: {url} model={app.state.ctx.model_name} "
             f"device={core.device} dtype={str(core.dtype).removeprefix('torch.')} "
+            f"{f'quantization={config.quantization} ' if config.quantization else ''}"
             f"kv_blocks={core.num_kv_blocks}x{config.block_size} tokens "
             f"max_model_len={engine.max_model_len} ready_in={time.perf_counter() - start:.1f}s"
         )

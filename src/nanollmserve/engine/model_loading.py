@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from nanollmserve.config import EngineConfig
+from nanollmserve.errors import UserError
+from nanollmserve.layers.quantization import quantize_model
 from nanollmserve.model.device import resolve_device, resolve_dtype
 from nanollmserve.model.loader import load_model
 from nanollmserve.model.model_config import ModelConfig
@@ -42,6 +44,10 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(source.path)
     model = load_model(source.path, model_config, dtype, device)
+    if config.quantization:
+        if device.type != "cpu":
+            raise UserError(f"--quantization {config.quantization} runs on the CPU only")
+        quantize_model(model, config.quantization)
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.1f s", source.description, device, dtype, seconds)
     return LoadedModel(source, model_config, model, device, dtype, seconds)

@@ -1,0 +1,66 @@
+"""Weight-only int8 quantization: close to the float weights, same answers, smaller model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from nanollmserve import SamplingParams
+from nanollmserve.layers.attention_context import AttentionContext, reset_context, set_context
+from nanollmserve.layers.quantization import Int8Linear, quantize_model
+
+pytestmark = pytest.mark.milestone("m17")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_close_to_the_float_layer(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True).to(dtype)
+    quantized = Int8Linear.from_linear(linear)
+    assert quantized.qweight.dtype == torch.int8 and quantized.qweight.shape == (96, 64)
+    x = torch.randn(2, 5, 64, dtype=dtype)  # any leading shape
+    expected, got = linear(x).float(), quantized(x).float()
+    assert got.shape == (2, 5, 96)
+    assert (got - expected).abs().max() / expected.abs().max() < 0.02
+
+
+def test_the_bundled_model_answers_the_same_with_int8_weights(make_llm):
+    plain = make_llm(dtype="bfloat16")
+    int8 = make_llm(dtype="bfloat16", quantization="int8")
+    model = int8.engine.loaded.model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, Int8Linear)  # tied embeddings: a quantized copy
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = int8.chat(chat, SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert "Paris" in answer.outputs[0].text
+    # Next-token argmax at every position of a prompt mostly agrees with the float model.
+    ids = plain.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    top = []
+    for llm in (plain, int8):
+        m = llm.engine.loaded.model
+        set_context(AttentionContext.causal_prefill([len(ids)]))
+        with torch.inference_mode():
+            top.append(m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)))).argmax(-1))
+        reset_context()
+    assert (top[0] == top[1]).float().mean() > 0.9
+
+
+def test_quantize_model_rejects_unknown_methods():
+    with pytest.raises(ValueError, match="int8"):
+        quantize_model(nn.Sequential(nn.Linear(4, 4)), "int4")
+
+
+def test_cli_rejects_an_unknown_quantization_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanollmserve.cli.main", "generate", "--prompt", "hi",
+         "--quantization", "int4"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "nanollmserve: error: quantization must be int8 (or unset), got 'int4'"
+    )
