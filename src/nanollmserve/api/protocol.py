@@ -148,6 +148,58 @@ def sampling_params(
     return SamplingParams(**values)
 
 
+class SamplingExtensions(OpenAIBaseModel):
+    """The nanollmserve extensions (vLLM names) of the completions and chat requests, and
+    the one mapping of a request's sampling fields to SamplingParams. A request class names
+    it as its first base and its OpenAI fields in a second one, so the schema lists OpenAI's
+    fields first, then these."""
+
+    top_k: int | None = Field(
+        default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
+    )
+    min_p: float | None = Field(default=None, description="Drop tokens below min_p * top prob.")
+    repetition_penalty: float | None = Field(
+        default=None, description="Divide the logits of tokens already seen (1 = off)."
+    )
+    min_tokens: int | None = Field(
+        default=None, ge=0, le=MAX_INT32, description="Generate at least this many tokens."
+    )
+    ignore_eos: bool | None = Field(default=None, description="Keep going past end-of-text.")
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, description="Token ids that end the output, like stop strings."
+    )
+    include_stop_str_in_output: bool | None = Field(
+        default=None, description="Keep the matched stop string at the end of the text."
+    )
+    skip_special_tokens: bool | None = Field(
+        default=None, description="Leave special tokens out of the text (default true)."
+    )
+
+    def sampling_params_with(self, *, max_tokens: int | None, logprobs: int | None):
+        """SamplingParams from the OpenAI sampling fields (declared by the request class)
+        and the extensions; the endpoint decides max_tokens and logprobs."""
+        return sampling_params(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
 # -- server state ------------------------------------------------------------------------------
 class HealthResponse(OpenAIBaseModel):
     status: Literal["ok"] = "ok"

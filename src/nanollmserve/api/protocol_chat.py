@@ -16,10 +16,9 @@ from nanollmserve.api.protocol import (
     MAX_N,
     ChatMessage,
     OpenAIBaseModel,
+    SamplingExtensions,
     StreamOptions,
-    TokenId,
     UsageInfo,
-    sampling_params,
 )
 from nanollmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -29,7 +28,9 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: dict | None = None
 
 
-class ChatCompletionRequest(OpenAIBaseModel):
+class _ChatCompletionFields(OpenAIBaseModel):
+    """The OpenAI fields of ChatCompletionRequest, in OpenAI's order."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
     """The served model name; may be left out (there is one model)."""
@@ -54,28 +55,8 @@ class ChatCompletionRequest(OpenAIBaseModel):
     tool_choice: str | dict | None = None
     user: str | None = None
 
-    # -- nanollmserve extensions (vLLM names) -------------------------------------------------
-    top_k: int | None = Field(
-        default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
-    )
-    min_p: float | None = Field(default=None, description="Drop tokens below min_p * top prob.")
-    repetition_penalty: float | None = Field(
-        default=None, description="Divide the logits of tokens already seen (1 = off)."
-    )
-    min_tokens: int | None = Field(
-        default=None, ge=0, le=MAX_INT32, description="Generate at least this many tokens."
-    )
-    ignore_eos: bool | None = Field(default=None, description="Keep going past end-of-text.")
-    stop_token_ids: list[TokenId] | None = Field(
-        default=None, description="Token ids that end the output, like stop strings."
-    )
-    include_stop_str_in_output: bool | None = Field(
-        default=None, description="Keep the matched stop string at the end of the text."
-    )
-    skip_special_tokens: bool | None = Field(
-        default=None, description="Leave special tokens out of the text (default true)."
-    )
 
+class ChatCompletionRequest(SamplingExtensions, _ChatCompletionFields):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of a feature this server does not have yet, if one is asked for."""
         if self.response_format is not None and self.response_format.type != "text":
@@ -93,26 +74,9 @@ class ChatCompletionRequest(OpenAIBaseModel):
         return [m.to_dict() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return sampling_params(
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+        return self.sampling_params_with(
+            max_tokens=self.max_completion_tokens or self.max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            skip_special_tokens=self.skip_special_tokens,
         )
 
 

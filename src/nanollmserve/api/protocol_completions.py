@@ -15,10 +15,10 @@ from nanollmserve.api.protocol import (
     MAX_INT32,
     MAX_N,
     OpenAIBaseModel,
+    SamplingExtensions,
     StreamOptions,
     TokenId,
     UsageInfo,
-    sampling_params,
 )
 from nanollmserve.sampling_params import SamplingParams
 
@@ -35,7 +35,9 @@ Prompt = (
 )
 
 
-class CompletionRequest(OpenAIBaseModel):
+class _CompletionFields(OpenAIBaseModel):
+    """The OpenAI fields of CompletionRequest, in OpenAI's order."""
+
     model: str | None = None
     """The served model name; may be left out (there is one model)."""
     prompt: Prompt
@@ -55,28 +57,8 @@ class CompletionRequest(OpenAIBaseModel):
     top_p: float | None = 1.0
     user: str | None = None
 
-    # -- nanollmserve extensions (vLLM names) -------------------------------------------------
-    top_k: int | None = Field(
-        default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
-    )
-    min_p: float | None = Field(default=None, description="Drop tokens below min_p * top prob.")
-    repetition_penalty: float | None = Field(
-        default=None, description="Divide the logits of tokens already seen (1 = off)."
-    )
-    min_tokens: int | None = Field(
-        default=None, ge=0, le=MAX_INT32, description="Generate at least this many tokens."
-    )
-    ignore_eos: bool | None = Field(default=None, description="Keep going past end-of-text.")
-    stop_token_ids: list[TokenId] | None = Field(
-        default=None, description="Token ids that end the output, like stop strings."
-    )
-    include_stop_str_in_output: bool | None = Field(
-        default=None, description="Keep the matched stop string at the end of the text."
-    )
-    skip_special_tokens: bool | None = Field(
-        default=None, description="Leave special tokens out of the text (default true)."
-    )
 
+class CompletionRequest(SamplingExtensions, _CompletionFields):
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -84,26 +66,7 @@ class CompletionRequest(OpenAIBaseModel):
         return list(prompt)
 
     def to_sampling_params(self) -> SamplingParams:
-        return sampling_params(
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-            seed=self.seed,
-            max_tokens=self.max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=self.logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+        return self.sampling_params_with(max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
 class CompletionLogprobs(OpenAIBaseModel):
