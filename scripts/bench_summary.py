@@ -76,13 +76,16 @@ def main(out: Path) -> None:
             f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
             f"git {machine['git']}, {machine['date']}.\n"
         )
-    if r := load(out, "latency"):
+    for name in ("latency", "latency-fp32", "latency-fp16"):
+        if not (r := load(out, name)):
+            continue
         rows = [
-            [name, s["ttft_ms"], s["tpot_ms"], s["decode_tokens_per_s"], s["tokens_per_s"]]
-            for name, s in r["results"].items()
+            [system, s["ttft_ms"], s["tpot_ms"], s["decode_tokens_per_s"], s["tokens_per_s"]]
+            for system, s in r["results"].items()
         ]
         header = ["system", "TTFT ms", "TPOT ms", "decode tok/s", "end-to-end tok/s"]
-        parts.append(table(f"latency ({r['dtype']})", header, rows))
+        weights = f", weights {r['quantization']}" if r.get("quantization") else ""
+        parts.append(table(f"{name} ({r['dtype']}{weights}; ratios {r['ratios']})", header, rows))
     if r := load(out, "throughput"):
         rows = [
             [name, s["requests"], s["requests_per_s"], s["output_tokens_per_s"]]

@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization: close to the float weights, same answers, smaller model."""
+"""Weight-only quantization (int8, fp16): close to the float weights, same answers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from nanollmserve import SamplingParams
+from nanollmserve.errors import UserError
 from nanollmserve.layers.attention_context import AttentionContext, reset_context, set_context
-from nanollmserve.layers.quantization import Int8Linear, quantize_model
+from nanollmserve.layers.quantization import Fp16Linear, Int8Linear, quantize_model
 
 pytestmark = pytest.mark.milestone("m17")
 
@@ -49,8 +50,40 @@ def test_the_bundled_model_answers_the_same_with_int8_weights(make_llm):
     assert (top[0] == top[1]).float().mean() > 0.9
 
 
+def test_fp16_linear_is_close_to_the_float32_layer():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True)
+    converted = Fp16Linear.from_linear(linear)
+    x = torch.randn(2, 5, 64)
+    expected, got = linear(x), converted(x)
+    assert got.shape == (2, 5, 96) and got.dtype == torch.float32
+    assert (got - expected).abs().max() / expected.abs().max() < 2e-3
+    with pytest.raises(ValueError, match="float32"):
+        Fp16Linear.from_linear(nn.Linear(4, 4).to(torch.bfloat16))
+
+
+def test_fp16_weights_compute_in_float32_and_answer_like_the_float32_model(make_llm):
+    fp32 = make_llm(dtype="float32")
+    fp16 = make_llm(dtype="auto", quantization="fp16")
+    loaded = fp16.engine.loaded
+    assert loaded.dtype == torch.float32  # auto picks the dtype the fp16 kernel computes in
+    assert not any(isinstance(m, nn.Linear) for m in loaded.model.modules())
+    assert isinstance(loaded.model.lm_head, Fp16Linear)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    for question in ["What is the capital of France?", "Write a haiku about the sea."]:
+        chat = [{"role": "user", "content": question}]
+        expected = fp32.chat(chat, greedy)[0].outputs[0]
+        got = fp16.chat(chat, greedy)[0].outputs[0]
+        assert got.token_ids == expected.token_ids, (question, got.text, expected.text)
+
+
+def test_fp16_weights_refuse_another_activation_dtype(make_llm):
+    with pytest.raises(UserError, match="computes in float32: use --dtype float32 or auto"):
+        make_llm(dtype="bfloat16", quantization="fp16")
+
+
 def test_quantize_model_rejects_unknown_methods():
-    with pytest.raises(ValueError, match="int8"):
+    with pytest.raises(ValueError, match="supported: int8, fp16"):
         quantize_model(nn.Sequential(nn.Linear(4, 4)), "int4")
 
 
@@ -62,5 +95,5 @@ def test_cli_rejects_an_unknown_quantization_in_one_line():
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "nanollmserve: error: quantization must be int8 (or unset), got 'int4'"
+        "nanollmserve: error: quantization must be int8 or fp16 (or unset), got 'int4'"
     )

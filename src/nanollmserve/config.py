@@ -11,6 +11,7 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 
 from nanollmserve.errors import UserError
+from nanollmserve.layers.quantization import QUANTIZATION_METHODS
 
 
 @dataclass
@@ -38,14 +39,16 @@ class EngineConfig:
     seed: int = 0
     """Seed of the sampler for requests that do not set their own."""
     quantization: str | None = None
-    """int8: weight-only int8 matmuls on CPU (faster at small batches, slower at large)."""
+    """CPU weight formats, faster at small batches, slower at large: int8 (weight-only int8)
+    or fp16 (float16 weights, float32 math)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.quantization not in (None, "int8"):
-            raise UserError(f"quantization must be int8 (or unset), got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            names = " or ".join(QUANTIZATION_METHODS)
+            raise UserError(f"quantization must be {names} (or unset), got {self.quantization!r}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:

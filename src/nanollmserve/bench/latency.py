@@ -2,7 +2,8 @@
 
 Side by side in one run, on the same weights, dtype and prompt: the engine, HF transformers
 `generate` with its KV cache, and the naive loop that recomputes the whole sequence for every
-token (no cache). Each is repeated and the median reported.
+token (no cache). Each is repeated and the median reported. With `--quantization`, HF runs the
+float weights in the dtype the engine computes in (float32 for `fp16`); the JSON names both.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.loaded.source.name,
             "device": str(engine.device),
             "dtype": dtype_name(engine.dtype),
+            "quantization": args.quantization,
             "input_len": args.input_len,
             "output_len": args.output_len,
             "repeat": args.repeat,

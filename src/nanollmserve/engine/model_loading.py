@@ -13,7 +13,7 @@ from torch import nn
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.errors import UserError
-from nanollmserve.layers.quantization import quantize_model
+from nanollmserve.layers.quantization import COMPUTE_DTYPES, quantize_model
 from nanollmserve.model.device import resolve_device, resolve_dtype
 from nanollmserve.model.loader import load_model
 from nanollmserve.model.model_config import ModelConfig
@@ -41,6 +41,8 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if config.quantization in COMPUTE_DTYPES:
+        dtype = quantization_dtype(config, dtype)
     source = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(source.path)
     model = load_model(source.path, model_config, dtype, device)
@@ -51,3 +53,15 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.1f s", source.description, device, dtype, seconds)
     return LoadedModel(source, model_config, model, device, dtype, seconds)
+
+
+def quantization_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype a quantization method computes in: `--dtype auto` picks it."""
+    required = COMPUTE_DTYPES[config.quantization]
+    if config.dtype != "auto" and dtype != required:
+        name = str(required).removeprefix("torch.")
+        raise UserError(
+            f"--quantization {config.quantization} computes in {name}: "
+            f"use --dtype {name} or auto, not {config.dtype}"
+        )
+    return required

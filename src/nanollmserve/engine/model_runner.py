@@ -5,7 +5,8 @@ One KV allocation is made at start: `[2, num_layers, num_blocks, block_size, kv_
 head_dim]`; each attention layer gets views of its K and V planes. Per step it builds the flat
 batch (input ids, positions, slot mapping, block tables) with tensor ops over requests, never
 a Python loop over tokens, sets the attention context, runs the model on the flat batch,
-computes logits only at the positions that sample, and samples.
+computes logits only at the positions that sample, and samples. A one-token step runs its
+matmuls on the CPU kernel that is fastest for one row (`layers/cpu_matmul.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from nanollmserve.layers.attention_context import (
     reset_context,
     set_context,
 )
+from nanollmserve.layers.cpu_matmul import matmul_kernels_for
 from nanollmserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 
 
@@ -66,13 +68,14 @@ class ModelRunner:
         input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(
             scheduled, kv_cache
         )
-        try:
-            hidden = self.model(input_ids, positions)
-        finally:
-            reset_context()
-        if not sample_rows:
-            return [None] * len(scheduled.requests)
-        logits = self.model.compute_logits(hidden[logits_indices])
+        with matmul_kernels_for(input_ids.shape[0], self.device, self.dtype):
+            try:
+                hidden = self.model(input_ids, positions)
+            finally:
+                reset_context()
+            if not sample_rows:
+                return [None] * len(scheduled.requests)
+            logits = self.model.compute_logits(hidden[logits_indices])
         sample_requests = [scheduled.requests[i] for i in sample_rows]
         meta = self._sampling_metadata(sample_requests, logits.shape[1])
         sampled = self.sampler(logits, meta)

@@ -1,11 +1,20 @@
-"""Weight-only int8 quantization (`--quantization int8`): smaller weights, faster decode.
+"""Weight-only quantization (`--quantization int8|fp16`): other weight formats, faster decode.
 
-Each linear layer's weight is stored as int8 with one scale per output channel
-(`w ~= q * scale`, symmetric, scale = max|w| / 127) and multiplied with PyTorch's CPU int8
-weight-only matmul, which reads half of the bfloat16 bytes. A decode step at batch 1 reads
-every weight once, so it is memory-bound and gets faster; large batches are compute-bound
-and run faster in bfloat16. The lm_head is quantized too (for tied embeddings, a quantized
-copy: the embedding lookup keeps the original table).
+A decode step at small batch reads every weight once and does little math with it, so it is
+bound by how fast the matmul kernel streams the weights. PyTorch's CPU bfloat16 matmul
+streams them at ~12 GB/s here; these two formats use kernels that stream at 25-35 GB/s:
+
+- `int8`: each weight stored as int8 with one scale per output channel (`w ~= q * scale`,
+  symmetric, scale = max|w| / 127), multiplied with PyTorch's CPU int8 weight-only matmul,
+  which also reads half of the bfloat16 bytes. Activations stay in the model dtype.
+- `fp16`: each weight stored as float16 in fbgemm's packed layout and multiplied with
+  fbgemm's float16-weight GEMM, which computes in float32. Activations are float32 (the
+  engine picks `--dtype float32` for it), so the weights carry 3 more mantissa bits than
+  bfloat16 and the math is float32: answers stay those of the float32 model.
+
+Large batches are compute-bound and run faster in bfloat16 with either format off. The
+lm_head is replaced too (for tied embeddings, a converted copy: the embedding lookup keeps
+the original table).
 
 4-bit weights (PyTorch's int4 kernels, groups of 32) were tried and left out: on the bundled
 135 M model they changed greedy answers ("the capital of France" stopped being Paris).
@@ -15,8 +24,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-QUANTIZATION_METHODS = ("int8",)
 
 
 class Int8Linear(nn.Module):
@@ -41,14 +48,44 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Fp16Linear(nn.Module):
+    """float16 weights packed for fbgemm; float32 in and out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != torch.float32:
+            raise ValueError(f"fp16 weight-only linear needs a float32 model, got {weight.dtype}")
+        bias = None if bias is None else bias.detach()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), bias)
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp16Linear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+LINEAR_CLASSES = {"int8": Int8Linear, "fp16": Fp16Linear}
+QUANTIZATION_METHODS = tuple(LINEAR_CLASSES)
+COMPUTE_DTYPES = {"fp16": torch.float32}
+"""Methods whose kernels take one activation dtype only (the others use the model's)."""
+
+
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """Replace every nn.Linear of the model (and its output projection) in place."""
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"unknown quantization {method!r} (supported: int8)")
+        raise ValueError(
+            f"unknown quantization {method!r} (supported: {', '.join(QUANTIZATION_METHODS)})"
+        )
+    linear_class = LINEAR_CLASSES[method]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear.from_linear(child))
-    if getattr(model, "lm_head", "absent") is None:  # tied: quantize a copy of the embedding
-        model.lm_head = Int8Linear(model.model.embed_tokens.weight, None)
+                setattr(parent, name, linear_class.from_linear(child))
+    if getattr(model, "lm_head", "absent") is None:  # tied: convert a copy of the embedding
+        model.lm_head = linear_class(model.model.embed_tokens.weight, None)
     return model

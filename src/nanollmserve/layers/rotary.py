@@ -3,8 +3,9 @@
 The cos/sin table is computed once for every position up to `max_position` (in float32, like
 HF) and indexed by `positions` once per step (`cos_sin`); every layer then rotates with the
 same rows (`apply_rotary`), queries and keys together in one call when they are adjacent.
-Rotating the two halves separately gives bit-for-bit HF's `q * cos + rotate_half(q) * sin`
-without building `rotate_half(q)`.
+The step's rows come as full-width `cos = [c, c]` and a signed `sin = [-s, s]`, so a layer
+computes HF's `q * cos + rotate_half(q) * sin` bit for bit as `q * cos + swap_halves(q) * sin`:
+four ops instead of the eight of rotating each half on its own.
 
 Frequency scaling: "default", "linear" (positions divided by `factor`) and "llama3" (Llama 3.1+:
 long wavelengths divided by `factor`, short ones kept, a smooth blend between).
@@ -62,12 +63,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, 1, head_dim // 2]: the rows of this step."""
+        """positions [T] -> (cos, signed sin), each [T, 1, head_dim]: the rows of this step."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by each token's (cos, sin) from `cos_sin`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """x [T, heads, head_dim] rotated by each token's (cos, signed sin) from `cos_sin`."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * sin
