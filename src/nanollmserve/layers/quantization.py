@@ -26,47 +26,54 @@ import torch
 from torch import nn
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+class WeightOnlyLinear(nn.Module):
+    """A linear layer whose weight is kept in another format: [..., in] -> [..., out]."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> WeightOnlyLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows, out], bias included."""
+        raise NotImplementedError
+
+
+class Int8Linear(WeightOnlyLinear):
+    """int8 weights with one scale per output channel; activations in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight)
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
         self.register_buffer("scale", scale.to(weight.dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(linear.weight, linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scale)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int8pack_mm(x, self.qweight, self.scale)
+        return out if self.bias is None else out + self.bias
 
 
-class Fp16Linear(nn.Module):
+class Fp16Linear(WeightOnlyLinear):
     """float16 weights packed for fbgemm; float32 in and out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
+        super().__init__(weight)
         if weight.dtype != torch.float32:
             raise ValueError(f"fp16 weight-only linear needs a float32 model, got {weight.dtype}")
         bias = None if bias is None else bias.detach()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), bias)
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp16Linear:
-        return cls(linear.weight, linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
-        return out.view(*x.shape[:-1], self.out_features)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
 LINEAR_CLASSES = {"int8": Int8Linear, "fp16": Fp16Linear}
