@@ -3,21 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-
-
-def run_bench(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "nanollmserve.cli.main", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+from bench_cli import run_bench
 
 
 @pytest.mark.milestone("m03")

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
+from bench_cli import run_bench
 
 from nanollmserve.bench.serve_client import OpenAIBackend, RequestResult, server_root
 from nanollmserve.bench.serve_metrics import parse_goodput, summarize
@@ -21,17 +20,6 @@ from nanollmserve.bench.serve_workloads import (
 )
 
 pytestmark = pytest.mark.milestone("m12")
-
-
-def run_bench(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "nanollmserve.cli.main", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
