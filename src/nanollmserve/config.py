@@ -11,7 +11,6 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 
 from nanollmserve.errors import UserError
-from nanollmserve.layers.quantization import QUANTIZATION_METHODS
 
 
 @dataclass
@@ -46,9 +45,15 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.quantization not in (None, *QUANTIZATION_METHODS):
-            names = " or ".join(QUANTIZATION_METHODS)
-            raise UserError(f"quantization must be {names} (or unset), got {self.quantization!r}")
+        if self.quantization is not None:
+            # Imported here: layers/ pulls in torch, and the CLI parses flags without it.
+            from nanollmserve.layers.quantization import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                names = " or ".join(QUANTIZATION_METHODS)
+                raise UserError(
+                    f"quantization must be {names} (or unset), got {self.quantization!r}"
+                )
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:

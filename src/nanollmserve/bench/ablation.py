@@ -35,8 +35,6 @@ import gc
 import random
 import time
 
-import torch
-
 from nanollmserve.bench import hf_baselines
 from nanollmserve.bench.engine_driver import Timing, run_engine
 from nanollmserve.bench.report import add_common_args, emit, log, percentile, ratio
@@ -132,9 +130,11 @@ class _StepTimes:
         return scores
 
 
-@torch.inference_mode()
+@hf_baselines.inference_mode
 def _static_batch(model, batch: list[BenchRequest]) -> list[float]:
     """One padded batch (left padding) until its longest output; the step times."""
+    import torch
+
     width = max(len(r.prompt_token_ids) for r in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)

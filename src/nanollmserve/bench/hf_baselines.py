@@ -4,24 +4,39 @@ and static batching (padded batches, everyone waits for the longest)."""
 
 from __future__ import annotations
 
+import functools
 import time
-
-import torch
 
 from nanollmserve.bench.workload import BenchRequest
 
 
-def load_hf_model(model_dir, dtype: torch.dtype):
+def inference_mode(fn):
+    """`torch.inference_mode()` as a decorator that imports torch only when called: the CLI
+    imports this module to build its parser, and `--help` must not load torch."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def load_hf_model(model_dir, dtype):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.eval()
 
 
-@torch.inference_mode()
+@inference_mode
 def naive_loop(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """Recompute the whole sequence for every new token (no KV cache). Returns the tokens and
     the time each one was ready (seconds from the start)."""
+    import torch
+
     ids = torch.tensor([prompt])
     start, times, out = time.perf_counter(), [], []
     for _ in range(max_tokens):
@@ -50,9 +65,11 @@ class _Timer:
         pass
 
 
-@torch.inference_mode()
+@inference_mode
 def generate_with_cache(model, prompt: list[int], max_tokens: int):
     """HF `generate` (greedy, KV cache on) for one request: tokens and per-token times."""
+    import torch
+
     timer = _Timer()
     out = model.generate(
         torch.tensor([prompt]),
@@ -66,10 +83,12 @@ def generate_with_cache(model, prompt: list[int], max_tokens: int):
     return out[0, len(prompt) :].tolist(), timer.times
 
 
-@torch.inference_mode()
+@inference_mode
 def static_batches(model, requests: list[BenchRequest], batch_size: int) -> float:
     """Run the requests in padded batches of `batch_size` (left padding); each batch runs
     until its longest output is done. Returns the elapsed seconds."""
+    import torch
+
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
