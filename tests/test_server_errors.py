@@ -1,7 +1,8 @@
 """Every error path of a live server answers in OpenAI's shape with the right status, and a
 bad request never harms the server: 400 (malformed JSON, schema errors, context overflow
-naming the numbers, top_logprobs > 20, n out of range, unsupported features), 401 (API key),
-404 (unknown model, response id, route), 405, 413 (body cap), 503 + Retry-After (queue full).
+naming the numbers, top_logprobs > 20, n out of range, the default request limits, unknown
+fields, unsupported features), 401 (API key), 404 (unknown model, response id, route), 405,
+413 (body cap), 503 + Retry-After (queue full). tests/test_request_limits.py sets the limits.
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ def _error(response, status: int) -> dict:
         ("/v1/completions", {"max_tokens": 3}, "prompt", "required"),
         ("/v1/completions", {"prompt": ""}, "prompt", ""),
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n", ""),
-        ("/v1/completions", {"prompt": "hi", "n": 129}, "n", ""),
+        ("/v1/completions", {"prompt": "hi", "n": 129}, "n", "(--max-n 128)"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop", "strings 16)"),
+        ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, "stop", "length 256)"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 65}, "stop_token_ids", "64"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}},
+            "logit_bias",
+            "(--max-logit-bias 1024)",
+        ),
+        ("/v1/completions", {"prompt": "hi", "foo": 1}, "foo", "argument supplied: foo"),
         ("/v1/completions", {"prompt": "hi", "n": 65}, "n", "max-num-seqs"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs", ""),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", ""),
@@ -74,8 +85,11 @@ def _error(response, status: int) -> dict:
         ),
         ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}}, None, ""),
         ("/generate", {"prompt": "hi", "max_new_tokens": -1}, "max_new_tokens", ""),
+        ("/generate", {"prompt": "hi", "max_token": 3}, "max_token", "Unrecognized"),
+        ("/v1/chat/completions", {"messages": CHAT * 1025}, "messages", "(--max-messages 1024)"),
         ("/batch_generate", {"prompts": []}, "prompts", ""),
         ("/tokenize", {}, "prompt", "exactly one"),
+        ("/tokenize", {"messages": []}, "messages", ""),
         ("/detokenize", {"tokens": [-1]}, None, ""),
     ],
 )

@@ -1,12 +1,15 @@
 """SamplingParams: how one request samples and when it stops.
 
-Validation happens at construction: a bad value raises `ValueError` naming the field, so the
-offline API, the HTTP server (which turns it into a 400) and gRPC report the same message.
+Validation happens at construction: a bad value raises `ParamError` (a ValueError) whose
+`param` is the field, so the offline API, the HTTP server (which turns it into a 400 naming
+the field) and gRPC report the same message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from nanollmserve.errors import ParamError
 
 MAX_LOGPROBS = 20
 
@@ -45,13 +48,18 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ParamError(
+                    "logit_bias must map token ids (integers) to numbers", param="logit_bias"
+                ) from None
         self._validate()
 
     def _validate(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+                raise ParamError(f"{name} {message}, got {getattr(self, name)!r}", param=name)
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
         check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
@@ -70,8 +78,9 @@ class SamplingParams:
             isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0"
         )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            raise ParamError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}",
+                param="min_tokens",
             )
         check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,

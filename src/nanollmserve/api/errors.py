@@ -1,14 +1,16 @@
 """Every error the API returns, in OpenAI's shape: `{"error": {message, type, param, code}}`.
 
-Routes raise `APIError` (or a ValueError from parameter validation, which becomes a 400);
-the handlers installed by `install_error_handlers` turn FastAPI's validation errors (its
-default is 422), Starlette's HTTP errors (404 route, 405 method) and anything unexpected
-into the same shape, so a client only ever parses one kind of error body.
+Only what the client can fix is a 400: an `APIError` a route raises, a `ParamError` (from
+SamplingParams, the request limits, the frontend's prompt checks), which names its `param`,
+and FastAPI's validation errors (its default is 422; an unknown request field is one of them,
+"Unrecognized request argument supplied: foo"). Starlette's HTTP errors (404 route, 405
+method) keep their status; anything else, a bare ValueError included, is a bug: a 500
+`server_error` / `internal_error`, logged with its traceback. A client only ever parses one
+kind of error body.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -20,22 +22,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanollmserve.api.protocol import ErrorInfo, ErrorResponse
+from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import EngineDeadError, EngineOverloadedError
-from nanollmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
-
-# Names that may open a validation message and are then reported as its `param`.
-_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {
-    "prompt",
-    "messages",
-    "input",
-    "tokens",
-    "model",
-}
-
 
 _UNION_TAG = re.compile(r"[\[\]\-(]")
 
@@ -66,13 +58,11 @@ def not_found(message: str, code: str = "not_found", param: str | None = None) -
     return APIError(404, message, param=param, code=code)
 
 
-def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> APIError:
-    """A validation message names its field first ("top_p must be in (0, 1], got 2"); that
-    field (under its API name, via `aliases`) becomes `param`."""
-    message = str(exc)
-    first = message.split(" ", 1)[0].rstrip(":")
-    param = (aliases or {}).get(first, first) if first in _PARAM_NAMES else None
-    return bad_request(message, param)
+def from_param_error(exc: ParamError, aliases: dict[str, str] | None = None) -> APIError:
+    """The 400 of a ParamError; `aliases` maps a SamplingParams field to the name the
+    endpoint calls it (chat: max_tokens -> max_completion_tokens), which becomes `param`."""
+    param = (aliases or {}).get(exc.param, exc.param) if exc.param else None
+    return bad_request(str(exc), param)
 
 
 def error_response(
@@ -106,8 +96,8 @@ def error_from_exception(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="overloaded", headers=headers)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable")
-    if isinstance(exc, ValueError):
-        return from_value_error(exc)
+    if isinstance(exc, ParamError):
+        return from_param_error(exc)
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
 
@@ -136,6 +126,11 @@ def install_error_handlers(app: FastAPI) -> None:
         ]
         if first.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", code="invalid_json")
+        unknown = [e["loc"][-1] for e in errors if _is_unknown_field(e)]
+        if unknown:
+            names = ", ".join(str(name) for name in unknown)
+            message = f"Unrecognized request argument{'s' * (len(unknown) > 1)} supplied: {names}"
+            return error_response(400, message, param=str(unknown[0]), code="unknown_parameter")
         param = ".".join(loc) or None
         message = first.get("msg", "invalid request")
         if param:
@@ -149,9 +144,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(exc.status_code, message, headers=exc.headers)
 
-    @app.exception_handler(ValueError)
-    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
-        err = from_value_error(exc)
+    @app.exception_handler(ParamError)
+    async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
+        err = from_param_error(exc)
         return error_response(400, err.message, param=err.param, code=err.code)
 
     @app.exception_handler(EngineOverloadedError)
@@ -164,3 +159,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         err = error_from_exception(exc)
         return error_response(err.status_code, err.message, code=err.code)
+
+
+def _is_unknown_field(error: dict) -> bool:
+    """A top-level field the request model does not declare (nested objects such as chat
+    messages ignore unknown keys: clients echo back assistant messages with extra ones)."""
+    loc = error.get("loc", ())
+    return error.get("type") == "extra_forbidden" and len(loc) == 2 and loc[0] == "body"

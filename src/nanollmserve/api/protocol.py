@@ -1,8 +1,12 @@
 """Protocol models shared by the endpoints: errors, usage, models, tokenize, and the
 conversion of request fields into SamplingParams.
 
-Fields follow OpenAI's names and order. Unknown request fields are ignored (as OpenAI-style
-servers do), so clients that send newer fields keep working. The endpoint-specific models
+Fields follow OpenAI's names and order. A request with a field its model does not declare
+is a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied: foo"): an
+ignored field would silently change what the client asked for (`max_tokens` sent to an API
+that calls it `max_new_tokens`). Request models derive from `RequestModel` (unknown fields
+forbidden); the objects inside a request (messages, content parts) and the responses ignore
+unknown fields, so clients may echo back objects they received. The endpoint-specific models
 live in `protocol_completions.py`, `protocol_chat.py` and `protocol_responses.py`.
 """
 
@@ -13,19 +17,23 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
 MAX_INT32 = 2**31 - 1
 """Upper bound of counts and ids in requests, so no value overflows a tensor."""
-
-MAX_N = 128
-"""Most completions one request may ask for (OpenAI's limit); `--max-num-seqs` may be lower."""
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: an undeclared top-level field is a 400 (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -102,11 +110,11 @@ class ChatMessage(OpenAIBaseModel):
 
 
 # -- tokenize / detokenize -------------------------------------------------------------------
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     """Text to tokenize as is (give `prompt` or `messages`)."""
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     """A chat conversation, rendered with the chat template and its generation prompt."""
 
 
@@ -116,7 +124,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -134,8 +142,8 @@ def sampling_params(
     **fields,
 ) -> SamplingParams:
     """SamplingParams from request fields; None means "the default", except for
-    `max_tokens`, where it means "up to the context length". A bad value raises ValueError
-    whose message starts with the field's name."""
+    `max_tokens`, where it means "up to the context length". A bad value raises ParamError
+    naming the SamplingParams field."""
     values = {k: v for k, v in fields.items() if v is not None}
     values["max_tokens"] = max_tokens
     if stop is not None:
@@ -144,7 +152,7 @@ def sampling_params(
         try:
             values["logit_bias"] = {int(k): float(v) for k, v in logit_bias.items()}
         except ValueError:
-            raise ValueError("logit_bias keys must be token ids (integers)") from None
+            raise ParamError("logit_bias keys must be token ids (integers)", "logit_bias") from None
     return SamplingParams(**values)
 
 

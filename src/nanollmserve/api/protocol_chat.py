@@ -1,7 +1,11 @@
 """Protocol models of `/v1/chat/completions`, in OpenAI's order.
 
 Messages are text only (a string or a list of text parts); tools and structured output
-(`response_format` json_object / json_schema) answer 400 "not supported yet".
+(`response_format` json_object / json_schema) answer 400 "not supported yet". Fields that
+only label or route a request at OpenAI (`user`, `metadata`, `store`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`) or that change nothing for this server's models
+(`parallel_tool_calls` without tools, `reasoning_effort`: the models do not reason) are
+accepted and ignored; any other unknown field is a 400.
 """
 
 from __future__ import annotations
@@ -13,14 +17,14 @@ from pydantic import Field, model_serializer
 
 from nanollmserve.api.protocol import (
     MAX_INT32,
-    MAX_N,
     ChatMessage,
     OpenAIBaseModel,
+    RequestModel,
     SamplingExtensions,
     StreamOptions,
     UsageInfo,
 )
-from nanollmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanollmserve.sampling_params import SamplingParams
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -28,8 +32,9 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: dict | None = None
 
 
-class _ChatCompletionFields(OpenAIBaseModel):
-    """The OpenAI fields of ChatCompletionRequest, in OpenAI's order."""
+class _ChatCompletionFields(RequestModel):
+    """The OpenAI fields of ChatCompletionRequest, in OpenAI's order. The last base's config
+    wins, so ChatCompletionRequest forbids unknown fields like this class."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -37,16 +42,33 @@ class _ChatCompletionFields(OpenAIBaseModel):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    """At most `--max-logprobs` (20)."""
     max_tokens: int | None = Field(
         default=None, ge=1, le=MAX_INT32, deprecated="use max_completion_tokens"
     )
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    metadata: dict[str, str] | None = None
+    """Accepted and ignored (labels for OpenAI's stored completions)."""
+    n: int = Field(default=1, ge=1, le=MAX_INT32)
+    """At most `--max-n` (128) and `--max-num-seqs`."""
+    parallel_tool_calls: bool | None = None
+    """Accepted and ignored: tools are not supported."""
     presence_penalty: float | None = 0.0
+    prompt_cache_key: str | None = None
+    """Accepted and ignored: prefix caching needs no key."""
+    reasoning_effort: str | None = None
+    """Accepted and ignored: the served models do not reason."""
     response_format: ResponseFormat | None = None
+    safety_identifier: str | None = None
+    """Accepted and ignored."""
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    service_tier: str | None = None
+    """Accepted and ignored: there is one tier."""
     stop: str | list[str] | None = None
+    """At most `--max-stop-strings` (16) of at most `--max-stop-string-length` (256)."""
+    store: bool | None = None
+    """Accepted and ignored: chat completions are not stored (see /v1/responses)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = 1.0
@@ -54,6 +76,7 @@ class _ChatCompletionFields(OpenAIBaseModel):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     user: str | None = None
+    """Accepted and ignored."""
 
 
 class ChatCompletionRequest(SamplingExtensions, _ChatCompletionFields):

@@ -13,13 +13,14 @@ from pydantic import Field
 
 from nanollmserve.api.protocol import (
     MAX_INT32,
-    MAX_N,
     OpenAIBaseModel,
+    RequestModel,
     SamplingExtensions,
     StreamOptions,
     TokenId,
     UsageInfo,
 )
+from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -35,18 +36,22 @@ Prompt = (
 )
 
 
-class _CompletionFields(OpenAIBaseModel):
-    """The OpenAI fields of CompletionRequest, in OpenAI's order."""
+class _CompletionFields(RequestModel):
+    """The OpenAI fields of CompletionRequest, in OpenAI's order. The last base's config
+    wins, so CompletionRequest forbids unknown fields like this class."""
 
     model: str | None = None
     """The served model name; may be left out (there is one model)."""
     prompt: Prompt
+    best_of: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    """Accepted when it equals `n` (or is left out); more is not supported."""
     echo: bool = False
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_INT32)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1, le=MAX_INT32)
+    """At most `--max-n` (128) and `--max-num-seqs`."""
     presence_penalty: float | None = 0.0
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
@@ -56,6 +61,7 @@ class _CompletionFields(OpenAIBaseModel):
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     user: str | None = None
+    """Accepted and ignored."""
 
 
 class CompletionRequest(SamplingExtensions, _CompletionFields):
@@ -66,6 +72,12 @@ class CompletionRequest(SamplingExtensions, _CompletionFields):
         return list(prompt)
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError(
+                f"best_of must be left out or equal n ({self.n}): choosing the best of "
+                f"several candidates is not supported, got {self.best_of}",
+                param="best_of",
+            )
         return self.sampling_params_with(max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 

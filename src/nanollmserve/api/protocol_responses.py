@@ -6,6 +6,11 @@ streaming events follow OpenAI's shapes: response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta...,
 response.output_text.done, response.content_part.done, response.output_item.done,
 response.completed.
+
+Fields that only label or route a request at OpenAI (`user`, `metadata`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`) or change nothing without tools or reasoning
+(`parallel_tool_calls`, `tool_choice`, `reasoning`) are accepted and ignored; `background`
+and `include` answer 400 "not supported"; any other unknown field is a 400.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, sampling_params
+from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, sampling_params
 from nanollmserve.sampling_params import SamplingParams
 
 
@@ -44,20 +49,32 @@ class TextConfig(OpenAIBaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     """The served model name; may be left out (there is one model)."""
     input: str | list[InputMessage]
+    """A list has at most `--max-messages` (1024) items."""
+    background: bool | None = None
+    include: list[str] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning: dict | None = None
+    """Accepted and ignored: the served models do not reason."""
+    safety_identifier: str | None = None
+    service_tier: str | None = None
     store: bool = True
     stream: bool = False
     temperature: float | None = 1.0
     text: TextConfig | None = None
+    tool_choice: str | dict | None = None
     tools: list[dict] | None = None
     top_p: float | None = 1.0
+    truncation: Literal["disabled"] | None = None
+    """Only "disabled": a conversation longer than the context is a 400, never cut."""
     user: str | None = None
 
     # -- nanollmserve extensions (vLLM names) -------------------------------------------------
@@ -76,6 +93,10 @@ class ResponsesRequest(OpenAIBaseModel):
             )
         if self.tools:
             return "tools", "tools are not supported yet"
+        if self.background:
+            return "background", "background responses are not supported"
+        if self.include:
+            return "include", "include is not supported (no extra output data)"
         return None
 
     def input_messages(self) -> list[dict]:

@@ -1,5 +1,7 @@
 """The HTTP routes. Each one only dispatches: protocol model in, serving function, JSON or
-SSE out. The ServerContext (engine + settings) comes from `app.state`.
+SSE out. The ServerContext (engine + settings) comes from `app.state`. Routes that take
+messages check their count against `--max-messages` here; the sampling limits are checked
+by `ServerContext.make_params`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from nanollmserve.api import serving_chat, serving_completions, serving_responses, simple_api
-from nanollmserve.api.errors import APIError, error_response
+from nanollmserve.api.errors import APIError, bad_request, error_response
 from nanollmserve.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,6 +28,7 @@ from nanollmserve.api.protocol_chat import ChatCompletionRequest, ChatCompletion
 from nanollmserve.api.protocol_completions import CompletionRequest, CompletionResponse
 from nanollmserve.api.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
 from nanollmserve.api.serving import ServerContext
+from nanollmserve.errors import ParamError
 from nanollmserve.metrics import CONTENT_TYPE_LATEST
 
 _ERRORS = {
@@ -130,11 +133,14 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Ctx)
     "/v1/chat/completions", responses=_json_or_sse(ChatCompletionResponse), tags=["openai"]
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Ctx):
+    ctx.settings.limits.check_messages(len(body.messages))
     return await serving_chat.create_chat_completion(body, request, ctx)
 
 
 @router.post("/v1/responses", responses=_json_or_sse(ResponseObject), tags=["openai"])
 async def create_response(body: ResponsesRequest, request: Request, ctx: Ctx):
+    if isinstance(body.input, list):
+        ctx.settings.limits.check_messages(len(body.input), "input")
     return await serving_responses.create_response(body, request, ctx)
 
 
@@ -154,6 +160,7 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
+        ctx.settings.limits.check_messages(len(body.messages))
         tokens = ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
     else:
         _, tokens = ctx.engine.tokenize(body.prompt) if body.prompt else (None, [])
@@ -165,7 +172,11 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
 @router.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"])
 async def detokenize(body: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
     ctx.check_model(body.model)
-    return DetokenizeResponse(prompt=ctx.engine.detokenize(body.tokens) if body.tokens else "")
+    try:
+        text = ctx.engine.detokenize(body.tokens) if body.tokens else ""
+    except ParamError as exc:  # an id outside the vocabulary
+        raise bad_request(str(exc), "tokens") from None
+    return DetokenizeResponse(prompt=text)
 
 
 @router.post("/generate", response_model=simple_api.GenerateResponse, tags=["simple"])

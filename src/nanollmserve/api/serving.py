@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from nanollmserve.api.errors import bad_request, from_value_error, not_found
+from nanollmserve.api.errors import bad_request, from_param_error, not_found
 from nanollmserve.api.protocol import UsageInfo
 from nanollmserve.api.response_store import ResponseStore
+from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from nanollmserve.outputs import CompletionOutput, RequestOutput
+from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
 
 MAX_REQUEST_BYTES = 4 << 20
@@ -36,6 +38,8 @@ class ServerSettings:
     max_request_bytes: int = MAX_REQUEST_BYTES
     response_store_size: int = 1024
     """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """Bounds on one request (`n`, logprobs, stop strings, logit_bias, messages); 400 beyond."""
 
 
 class ServerContext:
@@ -60,10 +64,14 @@ class ServerContext:
         return model
 
     def make_params(self, to_params: Callable[[], SamplingParams], aliases=None) -> SamplingParams:
+        """The request's SamplingParams, within the server's limits. A bad value is a 400
+        whose `param` is the field under the endpoint's name for it (`aliases` maps
+        SamplingParams fields to those names); any other error propagates (a 500)."""
         try:
             params = to_params()
-        except ValueError as exc:
-            raise from_value_error(exc, aliases) from None
+            self.settings.limits.check_params(params)
+        except ParamError as exc:
+            raise from_param_error(exc, aliases) from None
         if params.n > self.engine.max_num_seqs:
             raise bad_request(
                 f"n is {params.n}, more than this server runs at once "

@@ -1,6 +1,9 @@
 """The simple API: `POST /generate` (one prompt) and `POST /batch_generate` (many prompts,
 submitted together so the engine batches them). Same engine, same sampling, no OpenAI
 envelope: just the text, the token count and the latency.
+
+`max_tokens` (OpenAI's name) is accepted as an alias of `max_new_tokens`; any other unknown
+field is a 400, like on every route.
 """
 
 from __future__ import annotations
@@ -10,17 +13,24 @@ import time
 from fastapi import Request
 from pydantic import Field
 
-from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, sampling_params
+from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, sampling_params
 from nanollmserve.api.serving import ServerContext, final_outputs, finish_reason, random_id
+from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
 MAX_BATCH_PROMPTS = 256
+DEFAULT_MAX_NEW_TOKENS = 64
 
 _PARAM_ALIASES = {"max_tokens": "max_new_tokens"}
 
 
-class SimpleSampling(OpenAIBaseModel):
-    max_new_tokens: int = Field(default=64, ge=1, le=MAX_INT32)
+class SimpleSampling(RequestModel):
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_INT32, description=f"default {DEFAULT_MAX_NEW_TOKENS}"
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_INT32, description="OpenAI's name of max_new_tokens"
+    )
     temperature: float = Field(default=0.0, description="0 (the default) is greedy.")
     top_p: float = 1.0
     top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
@@ -28,12 +38,16 @@ class SimpleSampling(OpenAIBaseModel):
     stop: list[str] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.max_new_tokens is not None and self.max_tokens is not None:
+            raise ParamError(
+                "give max_new_tokens or its alias max_tokens, not both", param="max_new_tokens"
+            )
         return sampling_params(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            max_tokens=self.max_new_tokens,
+            max_tokens=self.max_new_tokens or self.max_tokens or DEFAULT_MAX_NEW_TOKENS,
             stop=self.stop,
         )
 

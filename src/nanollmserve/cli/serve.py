@@ -21,6 +21,7 @@ import time
 
 from nanollmserve.config import add_engine_args, engine_config_from_args
 from nanollmserve.errors import UserError
+from nanollmserve.request_limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger("nanollmserve.serve")
 
@@ -89,6 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="(default %(default)s)",
     )
+    add_limit_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.log_stats_interval < 0:
         raise UserError(f"--log-stats-interval must be >= 0, got {args.log_stats_interval}")
+    limits_from_args(args)  # a bad limit fails before the model loads
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)
     sock = _bind(args.host, args.port)
@@ -135,6 +138,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         served_model_names=args.served_model_name or [],
         api_key=args.api_key,
         metrics_require_auth=args.metrics_require_auth,
+        limits=limits_from_args(args),
     )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]

@@ -1,0 +1,104 @@
+"""RequestLimits: bounds on what one request may ask for, so no client can make the server
+do unbounded work per token (thousands of stop strings to match, a huge logit_bias to apply).
+
+Each field is a `nanollmserve serve` flag (`max_stop_strings` is `--max-stop-strings`) and a
+request over a limit gets a 400 naming the parameter. The HTTP server checks them in one
+place, `ServerContext.make_params` (sampling fields) and the routes (message counts). No
+torch or FastAPI here: the CLI builds its flags from this module before loading anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from nanollmserve.errors import ParamError, UserError
+from nanollmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_HELP = {
+    "max_n": "most choices one request may ask for (`n`; OpenAI's limit is 128)",
+    "max_logprobs": f"most top alternatives per token (`logprobs` / `top_logprobs`; at most "
+    f"{MAX_LOGPROBS}, vLLM's default)",
+    "max_stop_strings": "most `stop` strings per request (OpenAI allows 4)",
+    "max_stop_string_length": "longest `stop` string, in characters",
+    "max_stop_token_ids": "most `stop_token_ids` per request",
+    "max_logit_bias": "most `logit_bias` entries per request",
+    "max_messages": "most messages per request (chat `messages`, responses `input`)",
+}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_n: int = 128
+    max_logprobs: int = MAX_LOGPROBS
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    max_messages: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, lowest = getattr(self, f.name), 1 if f.name in ("max_n", "max_messages") else 0
+            if not isinstance(value, int) or value < lowest:
+                raise UserError(f"{_flag(f.name)} must be an integer >= {lowest}, got {value!r}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise UserError(f"--max-logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ParamError (param: the SamplingParams field) if `params` passes a limit."""
+        _check(len(params.stop), self.max_stop_strings, "max_stop_strings", "stop", "strings")
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > self.max_stop_string_length:
+            raise ParamError(
+                f"stop has a string of {longest} characters, longer than this server allows "
+                f"(--max-stop-string-length {self.max_stop_string_length})",
+                param="stop",
+            )
+        limit = self.max_stop_token_ids
+        _check(len(params.stop_token_ids), limit, "max_stop_token_ids", "stop_token_ids", "ids")
+        limit = self.max_logit_bias
+        _check(len(params.logit_bias or {}), limit, "max_logit_bias", "logit_bias", "entries")
+        if params.n > self.max_n:
+            raise ParamError(
+                f"n is {params.n}, more than this server allows (--max-n {self.max_n})", param="n"
+            )
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ParamError(
+                f"logprobs asks for {params.logprobs} alternatives per token, more than this "
+                f"server allows (--max-logprobs {self.max_logprobs})",
+                param="logprobs",
+            )
+
+    def check_messages(self, count: int, param: str = "messages") -> None:
+        _check(count, self.max_messages, "max_messages", param, "messages")
+
+
+def _check(count: int, limit: int, flag: str, param: str, what: str) -> None:
+    if count > limit:
+        raise ParamError(
+            f"{param} has {count} {what}, more than this server allows ({_flag(flag)} {limit})",
+            param=param,
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One `--max-...` flag per RequestLimits field, in an argument group of its own."""
+    group = parser.add_argument_group("request limits (a request over one gets a 400)")
+    for f in fields(RequestLimits):
+        group.add_argument(
+            _flag(f.name),
+            dest=f.name,
+            type=int,
+            default=f.default,
+            metavar="N",
+            help=f"{_HELP[f.name]} (default %(default)s)",
+        )
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
