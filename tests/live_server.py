@@ -50,10 +50,12 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, *args: str, api_key: str | None = None) -> LiveServer:
+    def start(
+        cls, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+    ) -> LiveServer:
         port = free_port()
         log_fd, log_path = tempfile.mkstemp(prefix="nanollmserve-test-", suffix=".log")
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env.pop("NANOLLMSERVE_API_KEY", None)
         if api_key:
             env["NANOLLMSERVE_API_KEY"] = api_key

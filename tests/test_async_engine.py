@@ -1,12 +1,14 @@
-"""AsyncEngine in-process (bundled model): outputs stream through per-request queues, a
-consumer that leaves aborts its request and frees its blocks at once, admission is bounded,
-an engine failure fails in-flight requests and marks the engine unhealthy, shutdown aborts
-what is left, observers see every step and finished request, and an idle loop sleeps."""
+"""AsyncEngine in-process (bundled model): outputs stream as deltas, merged into one pending
+output while the consumer lags; a consumer that leaves aborts its request and frees its
+blocks at once; admission is bounded; a failed engine step fails the requests in the engine
+and the engine goes on, while repeated failures mark it dead; shutdown aborts what is left;
+observers see every step and finished request; an idle loop sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
 
 import pytest
 
@@ -16,13 +18,17 @@ from nanollmserve.frontend.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineStepError,
+    OutputKind,
 )
+from nanollmserve.frontend.engine_loop import FAIL_STEPS_ENV, MAX_CONSECUTIVE_STEP_FAILURES
 from nanollmserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.milestone("m02")
 
 CONFIG = dict(dtype="float32", num_kv_blocks=64)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+FINAL = OutputKind.FINAL_ONLY
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,8 @@ def engine():
 def _another(engine: AsyncEngine, **kwargs) -> AsyncEngine:
     """A second AsyncEngine on the same loaded weights (its own KV pool and loop)."""
     config = EngineConfig(**{**CONFIG, **kwargs.pop("config", {})})
-    return AsyncEngine(config, engine=EngineCore(config, loaded=engine.engine.loaded), **kwargs)
+    loaded = engine.engine_loop.engine.loaded
+    return AsyncEngine(config, engine=EngineCore(config, loaded=loaded), **kwargs)
 
 
 def _wait_idle(engine: AsyncEngine, timeout: float = 10.0):
@@ -48,15 +55,59 @@ def _wait_idle(engine: AsyncEngine, timeout: float = 10.0):
         time.sleep(0.01)
 
 
-def test_generate_streams_cumulative_outputs(engine):
-    async def run():
-        return [o async for o in engine.generate("The sky is", SamplingParams(max_tokens=6))]
+def test_generate_streams_deltas_that_add_up_to_the_final_output(engine):
+    params = SamplingParams(max_tokens=12, temperature=0)
 
-    outputs = asyncio.run(run())
-    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
-    texts = [o.outputs[0].text for o in outputs]
-    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False))
-    assert len(outputs[-1].outputs[0].token_ids) <= 6
+    async def run():
+        deltas = [o async for o in engine.generate("The sky is", params)]
+        [final] = [o async for o in engine.generate("The sky is", params, None, FINAL)]
+        return deltas, final
+
+    deltas, final = asyncio.run(run())
+    assert deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+    assert len(deltas) > 1
+    assert "".join(o.outputs[0].text for o in deltas) == final.outputs[0].text
+    tokens = [t for o in deltas for t in o.outputs[0].token_ids]
+    assert tokens == final.outputs[0].token_ids and len(tokens) <= 12
+
+
+def test_a_lagging_reader_gets_one_merged_output(engine):
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+
+    async def run():
+        stream = await engine.add_request("Once upon a time", params)
+        while engine.num_sequences_in_flight:
+            await asyncio.sleep(0.05)  # not reading: every delta waits in one merged output
+        outputs = [o async for o in stream]
+        [final] = [o async for o in engine.generate("Once upon a time", params, None, FINAL)]
+        return outputs, final
+
+    outputs, final = asyncio.run(run())
+    assert len(outputs) == 1 and outputs[0].finished
+    assert outputs[0].outputs[0].token_ids == final.outputs[0].token_ids
+    assert outputs[0].outputs[0].text == final.outputs[0].text
+
+
+def test_an_unread_stream_holds_memory_linear_in_its_output(engine):
+    """800 tokens nobody reads: one merged delta waits (tens of KB); a queue of cumulative
+    copies would hold ~800 * 400 token ids and characters (several MB)."""
+    params = SamplingParams(max_tokens=800, ignore_eos=True, temperature=0)
+
+    async def run():
+        stream = await engine.add_request("Once upon a time", params)
+        while engine.num_sequences_in_flight:
+            await asyncio.sleep(0.05)
+        held, _ = tracemalloc.get_traced_memory()
+        outputs = [o async for o in stream]
+        return held, outputs
+
+    tracemalloc.start()
+    try:
+        held, outputs = asyncio.run(run())
+    finally:
+        tracemalloc.stop()
+    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 800
+    assert held < 1 << 20, f"{held} bytes held by an unread 800-token stream"
 
 
 def test_closing_the_generator_aborts_and_frees_blocks(engine):
@@ -64,8 +115,10 @@ def test_closing_the_generator_aborts_and_frees_blocks(engine):
 
     async def run():
         gen = engine.generate("Tell me a story", LONG)
+        num_tokens = 0
         async for output in gen:
-            if len(output.outputs[0].token_ids) >= 3:
+            num_tokens += len(output.outputs[0].token_ids)
+            if num_tokens >= 3:
                 break
         await gen.aclose()
         assert engine.stats().engine.kv_cache.num_free_blocks < before.engine.kv_cache.num_blocks
@@ -80,13 +133,15 @@ def test_closing_the_generator_aborts_and_frees_blocks(engine):
 def test_cancelled_task_aborts(engine):
     before = _wait_idle(engine)
 
+    started = asyncio.Event()
+
     async def consume():
         async for _ in engine.generate("Count to a thousand:", LONG):
-            pass
+            started.set()
 
     async def run():
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.5)
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -99,7 +154,7 @@ def test_cancelled_task_aborts(engine):
 
 def test_concurrent_requests_are_batched_and_n_fans_out(engine):
     async def last(prompt, params):
-        outputs = [o async for o in engine.generate(prompt, params)]
+        outputs = [o async for o in engine.generate(prompt, params, None, FINAL)]
         return outputs[-1]
 
     async def run():
@@ -131,10 +186,10 @@ def test_admission_is_bounded(engine):
     try:
 
         async def run():
-            first = small.add_request("a", LONG)
-            second = small.add_request("b", LONG)
+            first = await small.add_request("a", LONG)
+            second = await small.add_request("b", LONG)
             with pytest.raises(EngineOverloadedError, match="overloaded"):
-                small.add_request("c", LONG)
+                await small.add_request("c", LONG)
             first.abort()
             second.abort()
 
@@ -144,18 +199,42 @@ def test_admission_is_bounded(engine):
         asyncio.run(small.shutdown())
 
 
-def test_engine_failure_fails_requests_and_marks_unhealthy(engine):
-    broken = _another(engine)
-
-    def explode():
-        raise RuntimeError("boom")
-
-    broken.engine.step = explode
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):
+    monkeypatch.setenv(FAIL_STEPS_ENV, "3")
+    flaky = _another(engine)
     try:
-        with pytest.raises(EngineDeadError, match="boom"):
-            asyncio.run(_first(broken.generate("hi", SamplingParams(max_tokens=3))))
+
+        async def run():
+            first = await flaky.add_request("Tell me a story", LONG)
+            await first.__anext__()  # it is running when step 3 fails
+            with pytest.raises(EngineStepError, match="step 3 failed"):
+                async for _ in first:
+                    pass
+            return [o async for o in flaky.generate("hi", SamplingParams(max_tokens=3))]
+
+        outputs = asyncio.run(run())
+        assert outputs[-1].finished and flaky.is_healthy
+        stats = _wait_idle(flaky)
+        assert stats.num_requests_failed == 1 and stats.num_requests_finished == 1
+        assert stats.engine.kv_cache.num_free_blocks == stats.engine.kv_cache.num_blocks
+    finally:
+        asyncio.run(flaky.shutdown())
+
+
+def test_repeated_step_failures_mark_the_engine_dead(engine, monkeypatch):
+    steps = ",".join(str(i) for i in range(1, MAX_CONSECUTIVE_STEP_FAILURES + 1))
+    monkeypatch.setenv(FAIL_STEPS_ENV, steps)
+    broken = _another(engine)
+    try:
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            with pytest.raises(EngineStepError):
+                asyncio.run(_first(broken.generate("hi", SamplingParams(max_tokens=3))))
+        deadline = time.monotonic() + 10
+        while broken.is_healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not broken.is_healthy and not broken.stats().is_healthy
-        assert broken.stats().num_requests_failed == 1
+        assert broken.error is not None
+        assert broken.stats().num_requests_failed == MAX_CONSECUTIVE_STEP_FAILURES
         with pytest.raises(EngineDeadError):
             asyncio.run(_first(broken.generate("hi", SamplingParams(max_tokens=3))))
     finally:
@@ -166,18 +245,19 @@ def test_shutdown_aborts_in_flight_requests(engine):
     other = _another(engine)
 
     async def run():
-        stream = other.add_request("Tell me everything", LONG)
+        stream = await other.add_request("Tell me everything", LONG)
         await stream.__anext__()
         await other.shutdown(timeout=0.1)
         with pytest.raises(EngineDeadError, match="shut down"):
             async for _ in stream:
                 pass
         with pytest.raises(EngineDeadError):
-            other.add_request("hi", SamplingParams())
+            await other.add_request("hi", SamplingParams())
 
     asyncio.run(run())
     assert not other.is_healthy
-    assert other.engine.kv_cache.stats().num_free_blocks == other.engine.num_kv_blocks
+    core = other.engine_loop.engine
+    assert core.kv_cache.stats().num_free_blocks == core.num_kv_blocks
 
 
 def test_observers_see_steps_and_finished_requests(engine):

@@ -52,7 +52,8 @@ def wait_blocks_back(server, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = server.stats()
-        if stats["num_free_blocks"] == NUM_BLOCKS and stats["num_requests_running"] == 0:
+        idle = stats["num_requests_running"] == 0 and stats["num_sequences_in_flight"] == 0
+        if idle and stats["num_free_blocks"] == NUM_BLOCKS:
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)

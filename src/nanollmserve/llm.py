@@ -1,8 +1,8 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...)) -> list[RequestOutput]`.
 
-It drives the same EngineCore as the server, synchronously: add every request, step the
-engine until all are done, return the outputs in prompt order. `LLM.chat` applies the model's
-chat template first.
+It drives the same EngineDriver as the server's engine thread, synchronously: add every
+request, step the engine until all are done, return the outputs (FINAL_ONLY: one per
+request) in prompt order. `LLM.chat` applies the model's chat template first.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.engine_core import EngineCore
+from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.input_processor import InputProcessor
-from nanollmserve.frontend.output_processor import OutputProcessor
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids, load_tokenizer
-from nanollmserve.outputs import RequestOutput
+from nanollmserve.outputs import OutputKind, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -31,7 +31,7 @@ class LLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
 
     def generate(
@@ -69,36 +69,31 @@ class LLM:
             children = self.input_processor.make_requests(request_id, token_ids, params)
             staged.append((request_id, prompt, token_ids, params, children))
         # Everything validated: now admit, so a bad prompt never leaves others half-run.
-        for request_id, prompt, token_ids, params, children in staged:
-            order[request_id] = len(order)
-            self.output_processor.add_request(
-                request_id,
-                prompt,
-                token_ids,
-                [c.request_id for c in children],
-                params,
-                children[0].arrival_time,
-            )
-            for child in children:
-                self.engine.add_request(child)
+        try:
+            for request_id, prompt, token_ids, params, children in staged:
+                self.driver.add_request(
+                    request_id, prompt, token_ids, children, params, OutputKind.FINAL_ONLY
+                )
+                order[request_id] = len(order)
+        except BaseException:
+            self._abort(order)
+            raise
 
         results: list[RequestOutput | None] = [None] * len(order)
         progress = tqdm(total=len(order), desc="Generating", disable=not use_tqdm or len(order) < 2)
         try:
-            while self.engine.has_unfinished_requests():
-                processed = self.output_processor.process_outputs(self.engine.step())
-                self.engine.abort_requests(processed.child_ids_to_abort)
-                for output in processed.request_outputs:
-                    if output.finished:
-                        results[order[output.request_id]] = output
-                        progress.update(1)
+            while self.driver.has_unfinished_requests():
+                for output in self.driver.step().outputs:
+                    results[order[output.request_id]] = output
+                    progress.update(1)
         finally:
             progress.close()
-            unfinished = [rid for rid, i in order.items() if results[i] is None]
-            for request_id in unfinished:
-                child_ids, _ = self.output_processor.abort_request(request_id)
-                self.engine.abort_requests(child_ids)
+            self._abort(rid for rid, i in order.items() if results[i] is None)
         return results
+
+    def _abort(self, request_ids) -> None:
+        for request_id in list(request_ids):
+            self.driver.abort_request(request_id)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

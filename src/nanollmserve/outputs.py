@@ -1,8 +1,24 @@
-"""What a request gives back: RequestOutput (vLLM's shape), its CompletionOutputs, metrics."""
+"""What a request gives back: RequestOutput (vLLM's shape), its CompletionOutputs, metrics.
+
+A request's outputs come in one of two kinds (`OutputKind`): FINAL_ONLY, one RequestOutput
+holding everything once the request ends (the offline `LLM`, non-streaming routes), or
+DELTA, one RequestOutput per step holding only what is new since the previous one (streaming).
+Deltas that pile up for a slow reader are merged with `RequestOutput.add`, so a stream never
+holds more than one pending output, and never a cumulative copy per step.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class OutputKind(enum.Enum):
+    FINAL_ONLY = "final_only"
+    """One output, when the request ends, with the whole text and every token."""
+    DELTA = "delta"
+    """One output per step with only the new text, tokens and logprobs of the choices that
+    changed; the last one has `finished` set and the finish reasons."""
 
 
 @dataclass
@@ -74,6 +90,16 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, newer: CompletionOutput) -> None:
+        """Append a newer delta of the same choice."""
+        self.text += newer.text
+        self.token_ids.extend(newer.token_ids)
+        if newer.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + newer.logprobs
+        self.finish_reason = newer.finish_reason
+        self.stop_reason = newer.stop_reason
+        self.cumulative_logprob = newer.cumulative_logprob
+
 
 @dataclass
 class RequestOutput:
@@ -84,3 +110,17 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+    def add(self, newer: RequestOutput) -> None:
+        """Merge a newer DELTA output of the same request into this one (a reader that
+        lagged gets one output holding both)."""
+        by_index = {c.index: c for c in self.outputs}
+        for choice in newer.outputs:
+            if choice.index in by_index:
+                by_index[choice.index].add(choice)
+            else:
+                self.outputs.append(choice)
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = newer.finished
+        self.num_cached_tokens = newer.num_cached_tokens
+        self.metrics = newer.metrics

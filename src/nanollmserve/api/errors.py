@@ -23,7 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanollmserve.api.protocol import ErrorInfo, ErrorResponse
 from nanollmserve.errors import ParamError
-from nanollmserve.frontend.async_engine import EngineDeadError, EngineOverloadedError
+from nanollmserve.frontend.async_engine import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +102,8 @@ def error_from_exception(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, ParamError):
         return from_param_error(exc)
+    if isinstance(exc, EngineStepError):  # the engine loop logged the traceback
+        return APIError(500, str(exc), code="engine_step_failed")
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
 

@@ -5,16 +5,17 @@ Health over the same AsyncEngine as the HTTP server.
 the engine exists) runs a `grpc.aio` server on the current event loop, the one uvicorn
 serves on, because the engine hands outputs to asyncio queues bound to the loop that
 created them. Like the HTTP routes, the servicer only converts: proto messages in,
-`SamplingParams` and `AsyncEngine.add_request`, proto messages out. Errors map to status
-codes: ValueError -> INVALID_ARGUMENT (its message), a full queue -> RESOURCE_EXHAUSTED, a
-dead or stopping engine -> UNAVAILABLE, a wrong key -> UNAUTHENTICATED. A cancelled call
+`SamplingParams`, then the admission and collection layer the HTTP routes use too
+(`generation.py`), proto messages out. Errors map to status codes: a bad parameter
+(ParamError) -> INVALID_ARGUMENT (its message), a full queue -> RESOURCE_EXHAUSTED, a dead or
+stopping engine -> UNAVAILABLE, a failed engine step -> INTERNAL, a wrong key ->
+UNAUTHENTICATED. A cancelled call
 (client gone, stream cancelled, deadline) cancels the handler, which aborts the request, so
 its KV blocks return at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hmac
 import inspect
@@ -23,13 +24,23 @@ import time
 
 import grpc
 
+from nanollmserve.api.generation import (
+    MAX_BATCH_PROMPTS,
+    StreamTotals,
+    admit,
+    choice_deltas,
+    collect_final,
+    finish_reason,
+)
 from nanollmserve.api.grpc_gen import nanollmserve_pb2 as pb
 from nanollmserve.api.grpc_gen import nanollmserve_pb2_grpc as pb_grpc
-from nanollmserve.errors import UserError
+from nanollmserve.errors import ParamError, UserError
 from nanollmserve.frontend.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineStepError,
+    OutputKind,
     RequestStream,
 )
 from nanollmserve.outputs import RequestOutput
@@ -37,7 +48,6 @@ from nanollmserve.sampling_params import SamplingParams
 
 __all__ = ["GenerationServicer", "bind_grpc_server", "serve_grpc", "start_grpc_server"]
 
-MAX_BATCH_PROMPTS = 256
 OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
@@ -59,8 +69,10 @@ class Unauthenticated(Exception):
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ParamError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineStepError):
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, EngineOverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, EngineDeadError):
@@ -102,7 +114,7 @@ def _rpc(method):
 
 
 def sampling_params(message: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; bad values raise ValueError."""
+    """Unset optional fields keep SamplingParams' defaults; bad values raise ParamError."""
     kwargs = {
         name: getattr(message, name) for name in OPTIONAL_SAMPLING_FIELDS if message.HasField(name)
     }
@@ -118,35 +130,18 @@ def _ms(seconds: float | None) -> float:
     return round(seconds * 1000, 3) if seconds is not None else 0.0
 
 
-def _finish_reason(output: RequestOutput) -> str:
-    reason = output.outputs[0].finish_reason
-    if reason == "abort":
-        raise EngineDeadError("the request was aborted")
-    return reason or ""
-
-
 def _response(output: RequestOutput) -> pb.GenerateResponse:
     choice, metrics = output.outputs[0], output.metrics
     return pb.GenerateResponse(
         request_id=output.request_id,
         text=choice.text,
-        finish_reason=_finish_reason(output),
+        finish_reason=finish_reason(choice),
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=len(choice.token_ids),
         cached_tokens=output.num_cached_tokens,
         latency_ms=_ms(metrics.e2e_latency if metrics else None),
         time_to_first_token_ms=_ms(metrics.ttft if metrics else None),
     )
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    output = None
-    try:
-        async for item in stream:
-            output = item  # cumulative: the last one holds everything
-    finally:
-        stream.abort()
-    return output
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -162,68 +157,68 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not hmac.compare_digest(given.encode(), self.expected_key):
             raise Unauthenticated("invalid or missing API key: send 'authorization: Bearer KEY'")
 
-    def _add(self, request: pb.GenerateRequest) -> RequestStream:
+    async def _add(self, request: pb.GenerateRequest, kind: OutputKind) -> RequestStream:
         if bool(request.prompt) == bool(request.messages):
-            raise ValueError("give exactly one of prompt and messages")
+            raise ParamError("give exactly one of prompt and messages", "prompt")
         if request.messages:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            prompt = self.engine.chat_token_ids(messages)
+            prompt = await self.engine.chat_token_ids(messages)
         else:
             prompt = request.prompt
         params = sampling_params(request.sampling)
         request_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
-        return self.engine.add_request(prompt, params, request_id)
+        [stream] = await admit(self.engine, [prompt], params, request_id, kind)
+        return stream
 
     @_rpc
     async def Generate(self, request, context):
-        return _response(await _last(self._add(request)))
+        stream = await self._add(request, OutputKind.FINAL_ONLY)
+        [output] = await collect_final([stream])
+        return _response(output)
 
     @_rpc
     async def GenerateStream(self, request, context):
-        stream = self._add(request)
-        num_chars = num_tokens = 0
+        stream = await self._add(request, OutputKind.DELTA)
         try:
-            async for output in stream:
-                choice = output.outputs[0]
-                reason = _finish_reason(output) if output.finished else ""
-                text, token_ids = choice.text[num_chars:], choice.token_ids[num_tokens:]
-                if not (text or token_ids or reason):
-                    continue
-                num_chars, num_tokens = len(choice.text), len(choice.token_ids)
-                metrics = output.metrics
-                yield pb.GenerateStreamResponse(
-                    request_id=output.request_id,
-                    text=text,
-                    token_ids=token_ids,
-                    finish_reason=reason,
-                    prompt_tokens=len(output.prompt_token_ids),
-                    completion_tokens=num_tokens,
-                    latency_ms=_ms(metrics.e2e_latency if reason and metrics else None),
-                )
-        finally:
+            async for message in self._stream_messages(stream):
+                yield message
+        finally:  # a cancelled call aborts the request at once
             stream.abort()
+
+    @staticmethod
+    async def _stream_messages(stream: RequestStream):
+        totals = StreamTotals()
+        async for step in choice_deltas([stream], totals):
+            choice, metrics = step.choice, step.output.metrics
+            reason = step.finish_reason or ""
+            if not (choice.text or choice.token_ids or reason):
+                continue
+            yield pb.GenerateStreamResponse(
+                request_id=step.output.request_id,
+                text=choice.text,
+                token_ids=choice.token_ids,
+                finish_reason=reason,
+                prompt_tokens=totals.prompt_tokens[0],
+                completion_tokens=totals.completion_tokens,
+                latency_ms=_ms(metrics.e2e_latency if reason and metrics else None),
+            )
 
     @_rpc
     async def BatchGenerate(self, request, context):
         start = time.perf_counter()
         prompts = list(request.prompts)
         if not prompts or len(prompts) > MAX_BATCH_PROMPTS:
-            raise ValueError(
-                f"prompts must hold 1 to {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}"
+            raise ParamError(
+                f"prompts must hold 1 to {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
+                "prompts",
             )
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ParamError(f"prompts[{i}] must not be empty", "prompts")
         params = sampling_params(request.sampling)
         batch_id = f"grpc-batch-{secrets.token_hex(12)}"
-        streams: list[RequestStream] = []
-        try:  # all or none
-            for i, prompt in enumerate(prompts):
-                if not prompt:
-                    raise ValueError(f"prompts[{i}] must not be empty")
-                streams.append(self.engine.add_request(prompt, params, f"{batch_id}-{i}"))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        outputs = await asyncio.gather(*(_last(s) for s in streams))
+        streams = await admit(self.engine, prompts, params, batch_id, OutputKind.FINAL_ONLY)
+        outputs = await collect_final(streams)
         return pb.BatchGenerateResponse(
             results=[_response(o) for o in outputs],
             latency_ms=_ms(time.perf_counter() - start),

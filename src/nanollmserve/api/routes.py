@@ -161,9 +161,9 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
         ctx.settings.limits.check_messages(len(body.messages))
-        tokens = ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
+        tokens = await ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
     else:
-        _, tokens = ctx.engine.tokenize(body.prompt) if body.prompt else (None, [])
+        _, tokens = await ctx.engine.tokenize(body.prompt) if body.prompt else (None, [])
     return TokenizeResponse(
         count=len(tokens), max_model_len=ctx.engine.max_model_len, tokens=tokens
     )
@@ -173,7 +173,7 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
     ctx.check_model(body.model)
     try:
-        text = ctx.engine.detokenize(body.tokens) if body.tokens else ""
+        text = await ctx.engine.detokenize(body.tokens) if body.tokens else ""
     except ParamError as exc:  # an id outside the vocabulary
         raise bad_request(str(exc), "tokens") from None
     return DetokenizeResponse(prompt=text)

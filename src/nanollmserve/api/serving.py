@@ -1,24 +1,23 @@
-"""What every endpoint shares: the server context (engine + settings), model-name checks,
-admitting requests, waiting for results while watching for a client disconnect, merging
-several request streams, and turning cumulative outputs into per-choice deltas.
+"""What every HTTP endpoint shares: the server context (engine + settings), model-name
+checks, admitting requests and waiting for their final outputs while watching for a client
+disconnect (on top of `generation.py`, which the gRPC service shares), and usage.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from nanollmserve.api.errors import bad_request, from_param_error, not_found
+from nanollmserve.api.generation import StreamTotals, admit, collect_final
 from nanollmserve.api.protocol import UsageInfo
 from nanollmserve.api.response_store import ResponseStore
 from nanollmserve.errors import ParamError
-from nanollmserve.frontend.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from nanollmserve.outputs import CompletionOutput, RequestOutput
+from nanollmserve.frontend.async_engine import AsyncEngine, OutputKind, RequestStream
+from nanollmserve.outputs import RequestOutput
 from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
 
@@ -80,20 +79,17 @@ class ServerContext:
             )
         return params
 
-    def add_requests(
-        self, prompts: list[str | list[int]], params: SamplingParams, request_id: str
+    async def add_requests(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        request_id: str,
+        stream: bool = False,
     ) -> list[RequestStream]:
-        """Admit one request per prompt, all or none (errors become APIErrors)."""
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.add_request(prompt, params, rid))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        return streams
+        """Admit one request per prompt, all or none: DELTA streams for a streamed response,
+        FINAL_ONLY ones otherwise."""
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        return await admit(self.engine, prompts, params, request_id, kind)
 
 
 def random_id(prefix: str) -> str:
@@ -102,6 +98,7 @@ def random_id(prefix: str) -> str:
 
 
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    """Usage of final outputs."""
     return UsageInfo.of(
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         completion_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
@@ -109,12 +106,13 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     )
 
 
-def finish_reason(choice: CompletionOutput) -> str | None:
-    """ "stop" / "length" / None (running); an aborted choice means the client or the server
-    went away, which ends the request with an error."""
-    if choice.finish_reason == "abort":
-        raise EngineDeadError("the request was aborted")
-    return choice.finish_reason
+def usage_of_stream(totals: StreamTotals) -> UsageInfo:
+    """Usage of a streamed response, from the totals its deltas added up."""
+    return UsageInfo.of(
+        prompt_tokens=sum(totals.prompt_tokens.values()),
+        completion_tokens=totals.completion_tokens,
+        cached_tokens=sum(totals.cached_tokens.values()),
+    )
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -126,83 +124,6 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    """The last output of every stream; a client that disconnects meanwhile aborts them all,
-    so their KV blocks return at once even though no response will be sent."""
-
-    async def last(stream: RequestStream) -> RequestOutput:
-        output = None
-        async for item in stream:
-            output = item
-        return output
-
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    results = asyncio.gather(*(last(s) for s in streams))
-    try:
-        done, _ = await asyncio.wait({watcher, results}, return_when=asyncio.FIRST_COMPLETED)
-        if results not in done:
-            raise EngineDeadError("the client disconnected")
-        return results.result()
-    finally:
-        watcher.cancel()
-        if not results.done():
-            results.cancel()
-            with contextlib.suppress(BaseException):
-                await results
-        for stream in streams:
-            stream.abort()
-
-
-async def merge_streams(
-    streams: list[RequestStream],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from several streams as they come; closing it aborts all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            await queue.put((index, exc))
-        await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        num_open = len(streams)
-        while num_open:
-            index, item = await queue.get()
-            if item is None:
-                num_open -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.abort()
-
-
-class ChoiceProgress:
-    """What of one choice has been streamed: characters of text, tokens (for logprobs), and
-    whether its finish chunk went out."""
-
-    def __init__(self) -> None:
-        self.num_chars = 0
-        self.num_tokens = 0
-        self.finished = False
-
-    def advance(self, choice: CompletionOutput) -> tuple[str, int, str | None] | None:
-        """(new text, index of the first new token, finish_reason) or None if nothing new."""
-        if self.finished:
-            return None
-        reason = finish_reason(choice)
-        text = choice.text[self.num_chars :]
-        first_token = self.num_tokens
-        if not text and len(choice.token_ids) == first_token and reason is None:
-            return None
-        self.num_chars = max(self.num_chars, len(choice.text))
-        self.num_tokens = len(choice.token_ids)
-        self.finished = reason is not None
-        return text, first_token, reason
+    """The final output of every (FINAL_ONLY) stream; a client that disconnects meanwhile
+    aborts them all, so their KV blocks return at once though no response will be sent."""
+    return await collect_final(streams, wait_for_disconnect(request))

@@ -13,7 +13,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanollmserve.api.errors import bad_request
+from nanollmserve.api.errors import bad_request, from_param_error
+from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
 from nanollmserve.api.protocol_chat import (
     ChatCompletionChunk,
     ChatCompletionLogprobs,
@@ -27,14 +28,14 @@ from nanollmserve.api.protocol_chat import (
     TopLogprob,
 )
 from nanollmserve.api.serving import (
-    ChoiceProgress,
     ServerContext,
     final_outputs,
-    finish_reason,
     random_id,
     usage_of,
+    usage_of_stream,
 )
 from nanollmserve.api.sse import SSE_DONE, sse_error, sse_event, sse_response
+from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import RequestStream
 from nanollmserve.outputs import Logprob
 
@@ -50,12 +51,12 @@ async def create_chat_completion(
     if unsupported:
         raise bad_request(unsupported[1], unsupported[0])
     params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
-    try:
-        prompt_token_ids = ctx.engine.chat_token_ids(body.message_dicts())
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
+    prompt_token_ids = await ctx.engine.chat_token_ids(body.message_dicts())
     request_id = random_id("chatcmpl-")
-    [stream] = ctx.add_requests([prompt_token_ids], params, request_id)
+    try:
+        [stream] = await ctx.add_requests([prompt_token_ids], params, request_id, body.stream)
+    except ParamError as exc:  # e.g. the rendered conversation is too long
+        raise from_param_error(exc, {"prompt": "messages", **_PARAM_ALIASES}) from None
     created = int(time.time())
     top_k = body.top_logprobs or 0
     if body.stream:
@@ -94,7 +95,7 @@ async def _stream(
         )
 
     top_k = body.top_logprobs or 0
-    progress = [ChoiceProgress() for _ in range(body.n)]
+    totals = StreamTotals()
     try:
         # The role goes first, in a chunk of its own for every choice.
         yield chunk(
@@ -105,29 +106,28 @@ async def _stream(
                 for i in range(body.n)
             ]
         )
-        output = None
-        async for output in stream:
-            for choice in output.outputs:
-                step = progress[choice.index].advance(choice)
-                if step is None:
-                    continue
-                text, first_token, reason = step
-                logprobs = None
-                if body.logprobs:
-                    entries = (choice.logprobs or [])[first_token : len(choice.token_ids)]
-                    logprobs = _logprobs(entries, top_k)
-                if not text and reason is None and not (logprobs and logprobs.content):
-                    continue
-                delta = DeltaMessage(content=text) if text else DeltaMessage()
-                yield chunk(
-                    [
-                        ChatCompletionStreamChoice(
-                            index=choice.index, delta=delta, logprobs=logprobs, finish_reason=reason
-                        )
-                    ]
-                )
-        if include_usage and output is not None:
-            yield chunk([], usage=usage_of([output]))
+        async for step in choice_deltas([stream], totals):
+            choice = step.choice
+            logprobs = _logprobs(choice.logprobs or [], top_k) if body.logprobs else None
+            if (
+                not choice.text
+                and step.finish_reason is None
+                and not (logprobs and logprobs.content)
+            ):
+                continue
+            delta = DeltaMessage(content=choice.text) if choice.text else DeltaMessage()
+            yield chunk(
+                [
+                    ChatCompletionStreamChoice(
+                        index=choice.index,
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=step.finish_reason,
+                    )
+                ]
+            )
+        if include_usage:
+            yield chunk([], usage=usage_of_stream(totals))
     except Exception as exc:
         yield sse_error(exc)
     finally:

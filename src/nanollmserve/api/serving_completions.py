@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanollmserve.api.errors import bad_request
+from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
 from nanollmserve.api.protocol_completions import (
     CompletionLogprobs,
     CompletionRequest,
@@ -21,13 +22,11 @@ from nanollmserve.api.protocol_completions import (
     CompletionResponseChoice,
 )
 from nanollmserve.api.serving import (
-    ChoiceProgress,
     ServerContext,
     final_outputs,
-    finish_reason,
-    merge_streams,
     random_id,
     usage_of,
+    usage_of_stream,
 )
 from nanollmserve.api.sse import SSE_DONE, sse_error, sse_event, sse_response
 from nanollmserve.outputs import Logprob, RequestOutput
@@ -44,7 +43,7 @@ async def create_completion(
     params = ctx.make_params(body.to_sampling_params)
     prompts = body.prompts()
     request_id = random_id("cmpl-")
-    streams = ctx.add_requests(prompts, params, request_id)
+    streams = await ctx.add_requests(prompts, params, request_id, body.stream)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -53,7 +52,7 @@ async def create_completion(
     outputs = await final_outputs(request, streams)
     choices = []
     for prompt_index, output in enumerate(outputs):
-        echo = _prompt_text(ctx, output) if body.echo else ""
+        echo = await _prompt_text(ctx, output) if body.echo else ""
         for choice in output.outputs:
             logprobs = None
             if body.logprobs is not None:
@@ -73,50 +72,40 @@ async def create_completion(
 
 
 async def _stream(ctx, streams, body: CompletionRequest, model, request_id, created, usage):
-    progress: dict[int, ChoiceProgress] = {}
     text_offsets: dict[int, int] = {}
-    last: dict[int, RequestOutput] = {}
+    totals = StreamTotals()
     try:
-        async for prompt_index, output in merge_streams(streams):
-            last[prompt_index] = output
-            for choice in output.outputs:
-                index = prompt_index * body.n + choice.index
-                state = progress.setdefault(index, ChoiceProgress())
-                echo = ""
-                if body.echo and index not in text_offsets:
-                    echo = _prompt_text(ctx, output)
-                step = state.advance(choice)
-                if step is None:
-                    continue
-                text, first_token, reason = step
-                logprobs = None
-                if body.logprobs is not None:
-                    entries = (choice.logprobs or [])[first_token : state.num_tokens]
-                    logprobs = _logprobs(entries, text_offsets.get(index, 0))
-                    text_offsets[index] = text_offsets.get(index, 0) + sum(
-                        len(t) for t in logprobs.tokens
-                    )
-                else:
-                    text_offsets.setdefault(index, 0)
-                if not (echo or text or reason or logprobs and logprobs.tokens):
-                    continue
-                chunk_choice = CompletionResponseChoice(
-                    index=index, text=echo + text, logprobs=logprobs, finish_reason=reason
+        async for step in choice_deltas(streams, totals):
+            choice = step.choice
+            index = step.prompt_index * body.n + choice.index
+            echo = await _prompt_text(ctx, step.output) if body.echo and step.first else ""
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _logprobs(choice.logprobs or [], text_offsets.get(index, 0))
+                text_offsets[index] = text_offsets.get(index, 0) + sum(
+                    len(t) for t in logprobs.tokens
                 )
-                yield sse_event(
-                    CompletionResponse(
-                        id=request_id, created=created, model=model, choices=[chunk_choice]
-                    )
+            if not (echo or choice.text or step.finish_reason or logprobs and logprobs.tokens):
+                continue
+            chunk_choice = CompletionResponseChoice(
+                index=index,
+                text=echo + choice.text,
+                logprobs=logprobs,
+                finish_reason=step.finish_reason,
+            )
+            yield sse_event(
+                CompletionResponse(
+                    id=request_id, created=created, model=model, choices=[chunk_choice]
                 )
+            )
         if usage:
-            outputs = [last[i] for i in sorted(last)]
             yield sse_event(
                 CompletionResponse(
                     id=request_id,
                     created=created,
                     model=model,
                     choices=[],
-                    usage=usage_of(outputs),
+                    usage=usage_of_stream(totals),
                 )
             )
     except Exception as exc:
@@ -124,10 +113,10 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
     yield SSE_DONE
 
 
-def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
+async def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
-    return ctx.engine.detokenize(output.prompt_token_ids)
+    return await ctx.engine.detokenize(output.prompt_token_ids)
 
 
 def _logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> CompletionLogprobs:

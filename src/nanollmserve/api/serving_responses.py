@@ -8,12 +8,19 @@ in-memory ResponseStore for GET and for later `previous_response_id`s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanollmserve.api.errors import bad_request, error_from_exception, not_found
+from nanollmserve.api.errors import (
+    bad_request,
+    error_from_exception,
+    from_param_error,
+    not_found,
+)
+from nanollmserve.api.generation import choice_deltas, finish_reason
 from nanollmserve.api.protocol_responses import (
     IncompleteDetails,
     InputTokensDetails,
@@ -24,14 +31,9 @@ from nanollmserve.api.protocol_responses import (
     ResponsesRequest,
     ResponseUsage,
 )
-from nanollmserve.api.serving import (
-    ChoiceProgress,
-    ServerContext,
-    final_outputs,
-    finish_reason,
-    random_id,
-)
+from nanollmserve.api.serving import ServerContext, final_outputs, random_id
 from nanollmserve.api.sse import sse_event, sse_response
+from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import RequestStream
 from nanollmserve.outputs import RequestOutput
 
@@ -58,11 +60,14 @@ async def create_response(
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
     try:
-        prompt_token_ids = ctx.engine.chat_token_ids(system + conversation)
-    except ValueError as exc:
+        prompt_token_ids = await ctx.engine.chat_token_ids(system + conversation)
+    except ParamError as exc:
         raise bad_request(str(exc), "input") from None
     response_id = random_id("resp_")
-    [stream] = ctx.add_requests([prompt_token_ids], params, response_id)
+    try:
+        [stream] = await ctx.add_requests([prompt_token_ids], params, response_id, body.stream)
+    except ParamError as exc:  # e.g. the rendered conversation is too long
+        raise from_param_error(exc, {"prompt": "input", **_PARAM_ALIASES}) from None
     template = ResponseObject(
         id=response_id,
         status="in_progress",
@@ -105,7 +110,7 @@ def _finish(
     output: RequestOutput,
     conversation: list[dict],
 ) -> ResponseObject:
-    """The completed response object (stored when asked to)."""
+    """The completed response object (stored when asked to) of a final output."""
     [choice] = output.outputs
     reason = finish_reason(choice)
     incomplete = reason == "length"
@@ -159,13 +164,13 @@ async def _stream(
         item = _message(message_id, None, "in_progress")
         yield event("response.output_item.added", output_index=0, item=item)
         yield event("response.content_part.added", **part, part=OutputText(text=""))
-        progress = ChoiceProgress()
-        output = None
-        async for output in stream:
-            step = progress.advance(output.outputs[0])
-            if step is not None and step[0]:
-                yield event("response.output_text.delta", **part, delta=step[0], logprobs=[])
-        response = _finish(ctx, template, message_id, output, conversation)
+        final = None
+        async for step in choice_deltas([stream]):
+            delta = step.choice.text
+            if delta:
+                yield event("response.output_text.delta", **part, delta=delta, logprobs=[])
+            final = _accumulate(final, step.output)
+        response = _finish(ctx, template, message_id, final, conversation)
         text = response.output[0].content[0].text
         yield event("response.output_text.done", **part, text=text, logprobs=[])
         yield event("response.content_part.done", **part, part=OutputText(text=text))
@@ -176,3 +181,20 @@ async def _stream(
         yield event("error", code=err.code, message=err.message, param=err.param)
     finally:
         stream.abort()
+
+
+def _accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """The stream's deltas added up: the final output `_finish` needs (the answer is stored
+    for `previous_response_id`, so the text is kept anyway)."""
+    if total is None:
+        return RequestOutput(
+            request_id=delta.request_id,
+            prompt=delta.prompt,
+            prompt_token_ids=delta.prompt_token_ids,
+            outputs=[dataclasses.replace(c, token_ids=list(c.token_ids)) for c in delta.outputs],
+            finished=delta.finished,
+            num_cached_tokens=delta.num_cached_tokens,
+            metrics=delta.metrics,
+        )
+    total.add(delta)
+    return total

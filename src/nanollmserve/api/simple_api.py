@@ -13,12 +13,12 @@ import time
 from fastapi import Request
 from pydantic import Field
 
+from nanollmserve.api.generation import MAX_BATCH_PROMPTS, finish_reason
 from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, sampling_params
-from nanollmserve.api.serving import ServerContext, final_outputs, finish_reason, random_id
+from nanollmserve.api.serving import ServerContext, final_outputs, random_id
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
-MAX_BATCH_PROMPTS = 256
 DEFAULT_MAX_NEW_TOKENS = 64
 
 _PARAM_ALIASES = {"max_tokens": "max_new_tokens"}
@@ -76,7 +76,7 @@ class BatchGenerateResponse(OpenAIBaseModel):
 async def generate(body: GenerateRequest, request: Request, ctx: ServerContext):
     start = time.perf_counter()
     params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
-    streams = ctx.add_requests([body.prompt], params, random_id("gen-"))
+    streams = await ctx.add_requests([body.prompt], params, random_id("gen-"))
     [output] = await final_outputs(request, streams)
     [choice] = output.outputs
     return GenerateResponse(
@@ -90,7 +90,7 @@ async def generate(body: GenerateRequest, request: Request, ctx: ServerContext):
 async def batch_generate(body: BatchGenerateRequest, request: Request, ctx: ServerContext):
     start = time.perf_counter()
     params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
-    streams = ctx.add_requests(list(body.prompts), params, random_id("batch-"))
+    streams = await ctx.add_requests(list(body.prompts), params, random_id("batch-"))
     outputs = await final_outputs(request, streams)
     for output in outputs:
         finish_reason(output.outputs[0])

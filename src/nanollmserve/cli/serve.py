@@ -152,15 +152,15 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     if args.log_stats_interval > 0:
         stats_logger = StatsLogger(lambda: engine.stats().engine, args.log_stats_interval)
         stats_task = asyncio.create_task(stats_logger.run())
-    core = engine.engine
+    info = engine.info
 
     def ready_line() -> str:
         return (
             f"nanollmserve ready: {url} model={app.state.ctx.model_name} "
-            f"device={core.device} dtype={str(core.dtype).removeprefix('torch.')} "
-            f"{f'quantization={config.quantization} ' if config.quantization else ''}"
-            f"kv_blocks={core.num_kv_blocks}x{config.block_size} tokens "
-            f"max_model_len={engine.max_model_len} ready_in={time.perf_counter() - start:.1f}s"
+            f"device={info.device} dtype={info.dtype} "
+            f"{f'quantization={info.quantization} ' if info.quantization else ''}"
+            f"kv_blocks={info.num_kv_blocks}x{info.block_size} tokens "
+            f"max_model_len={info.max_model_len} ready_in={time.perf_counter() - start:.1f}s"
         )
 
     uvicorn_config = uvicorn.Config(
@@ -172,16 +172,31 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         access_log=args.log_level == "debug",
     )
     server = _make_server(uvicorn_config, engine, ready_line, args.shutdown_timeout)
+    watchdog = asyncio.create_task(_exit_when_engine_dies(engine, server))
     try:
         await server.serve(sockets=[sock])
     finally:
+        watchdog.cancel()
         if stats_task is not None:
             stats_task.cancel()
         if grpc_server is not None:  # in-flight calls get the same grace as HTTP ones
             await grpc_server.stop(args.shutdown_timeout)
         await engine.shutdown(timeout=0)
+    if engine.error is not None:
+        logger.error("nanollmserve stopped: the engine failed (exit status 1)")
+        return 1
     logger.info("nanollmserve stopped")
     return 0
+
+
+async def _exit_when_engine_dies(engine, server, interval: float = 0.5) -> None:
+    """A dead engine (a step failing again and again) makes the process exit with status 1,
+    so its supervisor (the cluster launcher, a restart policy, systemd) starts a fresh one
+    instead of keeping a server that answers 503 forever."""
+    while engine.error is None:
+        await asyncio.sleep(interval)
+    logger.error("the engine failed: %r; shutting down", engine.error)
+    server.should_exit = True
 
 
 def _make_server(config, engine, ready_line, shutdown_timeout: float):

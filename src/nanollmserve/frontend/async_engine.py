@@ -1,12 +1,19 @@
 """AsyncEngine: the EngineCore used from asyncio, the one thing the API layer talks to.
 
-The server's event loop never runs the model: an EngineLoop thread (`engine_loop.py`) owns
-the EngineCore and hands each request's outputs to its RequestStream, an asyncio queue fed
-with `loop.call_soon_threadsafe`. This side tokenizes, validates and admits requests.
+The server's event loop never runs the model, nor the tokenizer: an EngineLoop thread
+(`engine_loop.py`) owns the EngineCore and hands each request's outputs to its RequestStream,
+and tokenization and chat templating run on one worker thread (`asyncio.to_thread`-style, a
+single-thread executor, as the tokenizer is not made for concurrent calls), so a multi-MB
+prompt never stalls `/health` or other streams. This side validates and admits requests.
 
     engine = AsyncEngine(EngineConfig(dtype="float32"))
     async for output in engine.generate("Hello", SamplingParams(max_tokens=8)):
-        print(output.outputs[0].text)  # cumulative text so far
+        print(output.outputs[0].text)  # the new text of this step (a DELTA output)
+
+A request's outputs are DELTA outputs (only what is new) for streaming, or one FINAL_ONLY
+output (`output_kind=`). A RequestStream holds at most one pending output: deltas that
+arrive while the consumer is busy (or not reading at all) are merged into it, so a stalled
+reader costs memory proportional to its unread text, never a copy per step.
 
 A consumer that goes away (its task cancelled, the generator closed, a client disconnect
 turned into `abort()`) aborts the request: its KV blocks return to the pool on the engine
@@ -21,43 +28,71 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.engine_core import EngineCore
+from nanollmserve.errors import ParamError
 from nanollmserve.frontend.engine_loop import (
     EngineDeadError,
     EngineLoop,
     EngineObserver,
     EngineOverloadedError,
+    EngineStepError,
     ServingStats,
 )
 from nanollmserve.frontend.input_processor import InputProcessor
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids
-from nanollmserve.outputs import RequestOutput
+from nanollmserve.outputs import OutputKind, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_LEN = 256
 
+T = TypeVar("T")
+
 __all__ = [
     "DEFAULT_MAX_QUEUE_LEN",
     "AsyncEngine",
     "EngineDeadError",
+    "EngineInfo",
     "EngineObserver",
     "EngineOverloadedError",
+    "EngineStepError",
+    "OutputKind",
     "RequestStream",
     "ServingStats",
 ]
 
 
-class RequestStream:
-    """The asyncio side of one request: an async iterator of cumulative RequestOutputs.
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine is, fixed at start: what the API and the CLI may read about it."""
 
-    Outputs that pile up while the consumer is busy are merged (they are cumulative, so the
-    newest holds everything). `abort()` before the end aborts the request.
+    model_name: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    quantization: str | None
+
+
+class RequestStream:
+    """The asyncio side of one request: an async iterator of its RequestOutputs.
+
+    The engine thread `put`s outputs; at most one waits here, merged with the newer ones
+    (DELTA outputs are added together, a FINAL_ONLY output is the only one there is). An
+    error ends the stream after the output that was pending. `abort()` before the end aborts
+    the request.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, num_seqs: int) -> None:
@@ -65,29 +100,44 @@ class RequestStream:
         self.request_id = request_id
         self.num_seqs = num_seqs
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self._lock = threading.Lock()
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: hand an output (or the error that ends the request) to the consumer."""
-        # RuntimeError: the consumer's event loop is closed; nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with self._lock:
+            was_empty = self._pending is None and self._error is None
+            if isinstance(item, BaseException):
+                self._error = item
+            elif self._pending is None:
+                self._pending = item
+            else:
+                self._pending.add(item)
+        if was_empty:
+            # RuntimeError: the consumer's event loop is closed; nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._ready.set)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        while not isinstance(item, BaseException) and not self.queue.empty():
-            item = self.queue.get_nowait()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+        while not self.finished:
+            with self._lock:
+                output, self._pending = self._pending, None
+                error = self._error if output is None else None
+                self._ready.clear()
+            if output is not None:
+                self.finished = output.finished
+                return output
+            if error is not None:
+                self.finished = True
+                raise error
+            await self._ready.wait()
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         """Abort the request if it is still running (idempotent)."""
@@ -107,26 +157,43 @@ class AsyncEngine:
     ) -> None:
         self.config = config
         self.engine_loop = EngineLoop(lambda: engine or EngineCore(config))
-        self.engine = self.engine_loop.engine
+        core = self.engine_loop.engine
+        self.info = EngineInfo(
+            model_name=core.loaded.source.name,
+            max_model_len=core.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            vocab_size=core.model_config.vocab_size,
+            num_kv_blocks=core.num_kv_blocks,
+            block_size=config.block_size,
+            device=str(core.device),
+            dtype=str(core.dtype).removeprefix("torch."),
+            quantization=config.quantization,
+        )
         self.tokenizer = self.engine_loop.tokenizer
         self.chat_template = chat_template
-        self.max_model_len = self.engine.max_model_len
+        self.max_model_len = self.info.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_queue_len = max_queue_len
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.engine.model_config.vocab_size
+            self.tokenizer, self.max_model_len, self.info.vocab_size
         )
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._ids = itertools.count()
         self._accepting = True
 
     # -- what the API layer reads ---------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        return self.engine.loaded.source.name
+        return self.info.model_name
 
     @property
     def is_healthy(self) -> bool:
         return self.engine_loop.is_running
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine loop for good (None while it runs or after a shutdown)."""
+        return self.engine_loop.error
 
     @property
     def is_accepting(self) -> bool:
@@ -155,41 +222,39 @@ class AsyncEngine:
         the engine thread."""
         self.engine_loop.observers.append(observer)
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        return self.input_processor.tokenize(prompt)
+    async def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        return await self._off_loop(self.input_processor.tokenize, prompt)
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        """Render messages with the chat template; a template error is a ValueError."""
-        import jinja2
+    async def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        """Render messages with the chat template; a template error is a ParamError."""
+        return await self._off_loop(self._chat_token_ids, messages)
 
-        try:
-            return chat_prompt_token_ids(self.tokenizer, messages, self.chat_template)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"messages: the chat template failed: {exc}") from None
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        self.input_processor.tokenize(token_ids)  # validates the ids
-        return self.tokenizer.decode(token_ids)
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._off_loop(self._detokenize, token_ids)
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(
+    async def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
     ) -> RequestStream:
-        """Validate and admit a request now and return its stream. Raises ValueError (bad
-        input), EngineOverloadedError (queue full) or EngineDeadError (stopped) here, before
-        any output, so a server can still answer with an error status."""
-        if not self.is_accepting:
-            reason = self.engine_loop.error or "the server is shutting down"
-            raise EngineDeadError(f"engine is not accepting requests: {reason}")
+        """Tokenize (off the event loop), validate and admit a request and return its
+        stream. Raises ParamError/ValueError (bad input), EngineOverloadedError (queue full)
+        or EngineDeadError (stopped) here, before any output, so a server can still answer
+        with an error status."""
+        self._check_accepting()
         request_id = request_id or f"req-{next(self._ids)}"
-        prompt_text, token_ids = self.input_processor.tokenize(prompt)
-        children = self.input_processor.make_requests(request_id, token_ids, params)
+        prompt_text, token_ids, children = await self._off_loop(
+            self._prepare, prompt, params, request_id
+        )
+        self._check_accepting()  # it may have stopped while the prompt was tokenized
         stream = RequestStream(self, request_id, len(children))
         capacity = self.max_num_seqs + self.max_queue_len
-        self.engine_loop.add(stream, children, prompt_text, token_ids, params, capacity=capacity)
+        self.engine_loop.add(
+            stream, children, prompt_text, token_ids, params, output_kind, capacity=capacity
+        )
         return stream
 
     async def generate(
@@ -197,10 +262,11 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative RequestOutputs until the last one (`finished`). Leaving early (break,
-        cancellation, aclose) aborts the request."""
-        stream = self.add_request(prompt, params, request_id)
+        """The request's RequestOutputs (DELTA: what is new each step) until the last one
+        (`finished`). Leaving early (break, cancellation, aclose) aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, output_kind)
         try:
             async for output in stream:
                 yield output
@@ -230,3 +296,30 @@ class AsyncEngine:
                 timeout,
             )
         await asyncio.to_thread(self.engine_loop.stop)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- on the tokenizer thread ----------------------------------------------------------------
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def _prepare(self, prompt, params: SamplingParams, request_id: str):
+        prompt_text, token_ids = self.input_processor.tokenize(prompt)
+        children = self.input_processor.make_requests(request_id, token_ids, params)
+        return prompt_text, token_ids, children
+
+    def _chat_token_ids(self, messages: list[dict]) -> list[int]:
+        import jinja2
+
+        try:
+            return chat_prompt_token_ids(self.tokenizer, messages, self.chat_template)
+        except jinja2.TemplateError as exc:
+            raise ParamError(f"messages: the chat template failed: {exc}", "messages") from None
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        self.input_processor.tokenize(token_ids)  # validates the ids
+        return self.tokenizer.decode(token_ids)
+
+    def _check_accepting(self) -> None:
+        if not self.is_accepting:
+            reason = self.engine_loop.error or "the server is shutting down"
+            raise EngineDeadError(f"engine is not accepting requests: {reason}")

@@ -11,14 +11,23 @@ streams (so a consumer that sees its request end also sees it counted). With not
 it sleeps on a condition variable: no busy spin.
 
 Observers are called on this thread after every step (`on_step(EngineStats)`) and for every
-request that ends, finished or aborted (`on_request_finished(RequestOutput)`): the hook for
-a metrics collector. An exception in the loop fails every in-flight request with
-`EngineDeadError`, logs the traceback, and leaves the loop stopped and unhealthy.
+request that ends, finished or aborted (`on_request_finished(RequestOutput)`, the full final
+output): the hook for a metrics collector.
+
+A step that raises fails every request in the engine with `EngineStepError` (a 500: what the
+step left in the KV cache cannot be trusted), logs the traceback, resets the engine's
+scheduling state (queues, block tables, prefix cache; the model and the KV tensor stay) and
+goes on with the requests that arrive next. After `MAX_CONSECUTIVE_STEP_FAILURES` failed
+steps in a row the fault is taken to be permanent: the loop stops, unhealthy, failing what is
+left with `EngineDeadError`, and `nanollmserve serve` exits with status 1 so its supervisor
+restarts it. `NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1) makes those steps
+raise, to test this.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +35,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from nanollmserve.engine.engine_core import EngineCore, EngineStats
 from nanollmserve.engine.messages import EngineCoreRequest
-from nanollmserve.frontend.output_processor import OutputProcessor
+from nanollmserve.errors import ParamError
+from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.tokenizer import load_tokenizer
-from nanollmserve.outputs import RequestOutput
+from nanollmserve.outputs import OutputKind, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,9 +46,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+FAIL_STEPS_ENV = "NANOLLMSERVE_FAIL_STEPS"
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; no request can run."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in the engine (an internal error)."""
+
+
+class InjectedStepFailure(RuntimeError):
+    """Raised by the steps named in NANOLLMSERVE_FAIL_STEPS (fault-injection tests)."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -81,6 +102,9 @@ class EngineLoop:
         self._num_seqs_in_flight = 0  # guarded by _cond
         self._stopping = False
         self._counts = {"finished": 0, "aborted": 0, "failed": 0, "peak_running": 0}
+        self._num_steps = 0
+        self._num_failed_steps_in_a_row = 0
+        self._fail_steps = _parse_fail_steps(os.environ.get(FAIL_STEPS_ENV, ""))
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -110,6 +134,7 @@ class EngineLoop:
         prompt_text: str | None,
         token_ids: list[int],
         params: SamplingParams,
+        output_kind: OutputKind,
         *,
         capacity: int,
     ) -> None:
@@ -125,7 +150,9 @@ class EngineLoop:
                     f"flight, at most {capacity} allowed); retry later"
                 )
             self._num_seqs_in_flight += stream.num_seqs
-            self._inbox.append(("add", (stream, children, prompt_text, token_ids, params)))
+            self._inbox.append(
+                ("add", (stream, children, prompt_text, token_ids, params, output_kind))
+            )
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
@@ -146,7 +173,7 @@ class EngineLoop:
         try:
             self.engine = build_engine()
             self.tokenizer = load_tokenizer(self.engine.loaded.model_dir)
-            self.output_processor = OutputProcessor(self.tokenizer)
+            self.driver = EngineDriver(self.engine, self.tokenizer)
             self._stats = self._make_stats(self.engine.stats())
         except BaseException as exc:
             self._build_error = exc
@@ -168,8 +195,12 @@ class EngineLoop:
                 if stopping:
                     self._fail_all(EngineDeadError("the server shut down"), count_as="aborted")
                     break
-                stats = self._step() if self._has_work() else self.engine.stats()
-                self._stats = self._make_stats(stats)
+                if self._has_work():
+                    try:
+                        self._step()
+                    except Exception as exc:
+                        self._recover(exc)
+                self._stats = self._make_stats(self.engine.stats())
                 self._deliver()
         except BaseException as exc:  # the loop must report, never vanish
             logger.exception("engine loop failed; failing all in-flight requests")
@@ -188,53 +219,65 @@ class EngineLoop:
             else:
                 self._abort(payload)
 
-    def _add(self, stream: RequestStream, children, prompt_text, token_ids, params) -> None:
+    def _add(self, stream: RequestStream, children, prompt_text, token_ids, params, kind):
         request_id = stream.request_id
         if request_id in self._streams:
-            self._end(stream, ValueError(f"request id {request_id!r} is already running"))
+            error = ParamError(f"request id {request_id!r} is already running", "request_id")
+            self._end(stream, error)
             return
-        child_ids = [c.request_id for c in children]
-        self.output_processor.add_request(
-            request_id, prompt_text, token_ids, child_ids, params, children[0].arrival_time
-        )
-        self._streams[request_id] = stream
         try:
-            for child in children:
-                self.engine.add_request(child)
+            self.driver.add_request(request_id, prompt_text, token_ids, children, params, kind)
         except ValueError as exc:
-            child_ids, _ = self.output_processor.abort_request(request_id)
-            self.engine.abort_requests(child_ids)
-            self._end(self._streams.pop(request_id), exc)
+            self._end(stream, exc)
+            return
+        self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:
-        child_ids, final = self.output_processor.abort_request(request_id)
-        self.engine.abort_requests(child_ids)
+        aborted = self.driver.abort_request(request_id)
         stream = self._streams.pop(request_id, None)
-        if stream is not None and final is not None:
+        if stream is not None and aborted is not None:
             self._counts["aborted"] += 1
-            self._notify("on_request_finished", final)
-            self._end(stream, final)
+            self._notify("on_request_finished", aborted.final_output)
+            self._end(stream, aborted.output)
 
-    def _step(self) -> EngineStats:
-        engine_outputs = self.engine.step()
-        processed = self.output_processor.process_outputs(engine_outputs)
-        self.engine.abort_requests(processed.child_ids_to_abort)  # stopped by a stop string
-        for output in processed.request_outputs:
+    def _step(self) -> None:
+        self._num_steps += 1
+        if self._num_steps in self._fail_steps:
+            raise InjectedStepFailure(f"step {self._num_steps} failed ({FAIL_STEPS_ENV})")
+        step = self.driver.step()
+        self._num_failed_steps_in_a_row = 0
+        for final in step.finished:
+            self._counts["finished"] += 1
+            self._notify("on_request_finished", final)
+        for output in step.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-                self._counts["finished"] += 1
-                self._notify("on_request_finished", output)
                 self._end(stream, output)
             else:
                 self._outbox.append((stream, output))
         stats = self.engine.stats()
-        batch_size = max(len(engine_outputs), stats.num_requests_running)
+        batch_size = max(step.num_engine_outputs, stats.num_requests_running)
         self._counts["peak_running"] = max(self._counts["peak_running"], batch_size)
         self._notify("on_step", stats)
-        return stats
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: fail the requests in the engine, reset its state, go on; or, after
+        too many failures in a row, re-raise (the loop then stops, unhealthy)."""
+        self._num_failed_steps_in_a_row += 1
+        failures = self._num_failed_steps_in_a_row
+        logger.error(
+            "engine step failed (%d in a row); failing the requests in the engine",
+            failures,
+            exc_info=exc,
+        )
+        error = EngineStepError(f"the engine step failed: {exc!r}")
+        self._fail_all(error, count_as="failed", include_inbox=False)
+        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise exc
+        self.engine.reset()
 
     def _end(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
         """The last item of a request: it leaves the in-flight count."""
@@ -247,19 +290,20 @@ class EngineLoop:
         for stream, item in outbox:
             stream.put(item)
 
-    def _fail_all(self, error: BaseException, count_as: str) -> None:
-        """End every request with `error`; the stats say so before any consumer hears."""
+    def _fail_all(self, error: BaseException, count_as: str, include_inbox: bool = True) -> None:
+        """End every request with `error` (with `include_inbox`, also those not yet taken
+        from the inbox); the stats say so before any consumer hears."""
         streams = list(self._streams.values())
         for stream in streams:
             try:
-                child_ids, _ = self.output_processor.abort_request(stream.request_id)
-                self.engine.abort_requests(child_ids)
+                self.driver.abort_request(stream.request_id)
             except Exception:  # the engine may be broken; the stream still fails
                 logger.exception("could not abort %s", stream.request_id)
         self._streams.clear()
-        with self._cond:  # adds that arrived after the last drain
-            leftovers, self._inbox = self._inbox, []
-        streams += [payload[0] for kind, payload in leftovers if kind == "add"]
+        if include_inbox:
+            with self._cond:  # adds that arrived after the last drain
+                leftovers, self._inbox = self._inbox, []
+            streams += [payload[0] for kind, payload in leftovers if kind == "add"]
         self._counts[count_as] += len(streams)
         for stream in streams:
             self._end(stream, error)
@@ -289,3 +333,13 @@ class EngineLoop:
             peak_running_requests=counts["peak_running"],
             is_healthy=self.error is None,
         )
+
+
+def _parse_fail_steps(value: str) -> frozenset[int]:
+    try:
+        return frozenset(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        logger.warning(
+            "ignoring %s=%r: not a comma-separated list of step numbers", FAIL_STEPS_ENV, value
+        )
+        return frozenset()

@@ -1,8 +1,8 @@
 """From what a user sends (text, token ids, chat messages) to EngineCoreRequests.
 
 Validation that needs the tokenizer or the model's limits happens here, before anything
-reaches the engine, and raises `ValueError` with the numbers involved, which the server turns
-into a 400.
+reaches the engine, and raises `ParamError` (naming the parameter) with the numbers involved,
+which the server turns into a 400.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import time
 
 from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
 
@@ -24,13 +25,15 @@ class InputProcessor:
         """Returns (prompt text or None, prompt token ids)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise ParamError("prompt must not be empty", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         token_ids = list(prompt)
         if not token_ids:
-            raise ValueError("prompt must not be empty")
+            raise ParamError("prompt must not be empty", "prompt")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            raise ParamError(
+                f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"
+            )
         return None, token_ids
 
     def make_requests(
@@ -60,23 +63,29 @@ class InputProcessor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
-            raise ValueError(
+            raise ParamError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the "
-                f"prompt has {num_prompt} tokens, leaving no room for output."
+                f"prompt has {num_prompt} tokens, leaving no room for output.",
+                "prompt",
             )
         if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ParamError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
                 f"prompt, {params.max_tokens} for the completion). Please reduce the prompt or "
-                f"max_tokens."
+                f"max_tokens.",
+                "max_tokens",
             )
         bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary")
+            raise ParamError(
+                f"logit_bias has token id {bad[0]} outside the vocabulary", "logit_bias"
+            )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids has token id {bad[0]} outside the vocabulary")
+            raise ParamError(
+                f"stop_token_ids has token id {bad[0]} outside the vocabulary", "stop_token_ids"
+            )
 
 
 def child_id(request_id: str, index: int) -> str:

@@ -3,10 +3,16 @@
 A request asking for `n` completions runs in the engine as `n` child requests; their
 outputs are gathered here into one RequestOutput with `n` CompletionOutputs. Each child has
 an incremental detokenizer; stop strings are found here, in text, across token boundaries,
-and a child that hits one is reported back so the caller aborts it in the engine. While a
-child runs, its visible text holds back the last `len(longest stop) - 1` characters, which
-might still turn out to be the start of a stop string, so streamed deltas never have to be
-taken back.
+and a child that hits one is reported back so the caller aborts it in the engine. As in
+vLLM, stop strings are only looked for once a child has more than `min_tokens` tokens.
+While a child runs, its visible text holds back the last `len(longest stop) - 1`
+characters, which might still turn out to be the start of a stop string, so streamed deltas
+never have to be taken back.
+
+What a request gets back depends on its `OutputKind`: DELTA requests get, each step they
+change, only the text, tokens and logprobs not sent before; FINAL_ONLY requests get one
+output when they end. Every ended request also yields a full final output for observers
+(metrics), built once.
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from dataclasses import dataclass, field
 
 from nanollmserve.engine.messages import EngineCoreOutput, TokenLogprobs
 from nanollmserve.frontend.detokenizer import IncrementalDetokenizer
-from nanollmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanollmserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    OutputKind,
+    RequestMetrics,
+    RequestOutput,
+)
 from nanollmserve.sampling_params import SamplingParams
 
 
@@ -37,6 +49,10 @@ class ChildState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        # What DELTA outputs have sent so far.
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.finish_sent = False
 
     def add(self, out: EngineCoreOutput) -> bool:
         """Take one engine output; True when a stop string finished this child here."""
@@ -48,7 +64,11 @@ class ChildState:
                 self._add_logprobs(out.new_logprobs[i])
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        if self.params.stop and self._find_stop_string(text_len_before):
+        if (
+            self.params.stop
+            and len(self.token_ids) > self.params.min_tokens
+            and self._find_stop_string(text_len_before)
+        ):
             return not out.finished
         return False
 
@@ -58,6 +78,7 @@ class ChildState:
         return self.text
 
     def to_output(self) -> CompletionOutput:
+        """Everything so far."""
         return CompletionOutput(
             index=self.index,
             text=self.visible_text(),
@@ -65,6 +86,28 @@ class ChildState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+    def delta(self) -> CompletionOutput | None:
+        """What was not sent yet (None if nothing), and marks it sent."""
+        if self.finish_sent:
+            return None
+        text = self.visible_text()[self.num_sent_chars :]
+        first = self.num_sent_tokens
+        finished = self.finish_reason is not None
+        if not text and len(self.token_ids) == first and not finished:
+            return None
+        self.num_sent_chars += len(text)
+        self.num_sent_tokens = len(self.token_ids)
+        self.finish_sent = finished
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[first:],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs[first:] if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob,
         )
 
@@ -105,18 +148,32 @@ class RequestState:
     prompt_token_ids: list[int]
     children: list[ChildState]
     metrics: RequestMetrics
+    output_kind: OutputKind
     child_ids: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
-    def to_output(self) -> RequestOutput:
+    def final_output(self) -> RequestOutput:
+        """Everything, every choice."""
+        return self._output([c.to_output() for c in self.children])
+
+    def next_output(self) -> RequestOutput | None:
+        """What the consumer gets now, by output kind (None: nothing for it this step)."""
+        if self.output_kind is OutputKind.FINAL_ONLY:
+            return self.final_output() if self.finished else None
+        deltas = [d for c in self.children if (d := c.delta()) is not None]
+        if not deltas and not self.finished:
+            return None
+        return self._output(deltas)
+
+    def _output(self, outputs: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.to_output() for c in self.children],
+            outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.metrics.num_cached_tokens,
             metrics=self.metrics,
@@ -126,9 +183,22 @@ class RequestState:
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    """One per request that changed this step."""
+    """For the consumers: per request that changed this step, its delta or, when it ended,
+    its final output (by its output kind)."""
+    finished_outputs: list[RequestOutput]
+    """The full final output of every request that ended this step (for observers)."""
     child_ids_to_abort: list[str]
     """Children that hit a stop string: the caller aborts them in the engine."""
+
+
+@dataclass
+class AbortedRequest:
+    running_child_ids: list[str]
+    """Children still running in the engine: the caller aborts them there."""
+    output: RequestOutput
+    """The consumer's last output (by its output kind), `finished`, reasons "abort"."""
+    final_output: RequestOutput
+    """The full final output (for observers)."""
 
 
 class OutputProcessor:
@@ -145,6 +215,7 @@ class OutputProcessor:
         child_ids: list[str],
         params: SamplingParams,
         arrival_time: float,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
     ) -> None:
         children = [
             ChildState(i, self.tokenizer, prompt_token_ids, params) for i in range(len(child_ids))
@@ -155,6 +226,7 @@ class OutputProcessor:
             prompt_token_ids=prompt_token_ids,
             children=children,
             metrics=RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids)),
+            output_kind=output_kind,
             child_ids=list(child_ids),
         )
         self.requests[request_id] = state
@@ -180,20 +252,22 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 del self.child_to_parent[out.request_id]
             touched[state.request_id] = state
-        results = []
+        results, finished = [], []
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
-            results.append(state.to_output())
-        return ProcessedOutputs(results, to_abort)
+                finished.append(state.final_output())
+            output = state.next_output()
+            if output is not None:
+                results.append(output)
+        return ProcessedOutputs(results, finished, to_abort)
 
-    def abort_request(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
-        """Finish a request as aborted; returns its running children's ids (to abort in the
-        engine) and its final output."""
+    def abort_request(self, request_id: str) -> AbortedRequest | None:
+        """Finish a request as aborted (None if it is not here any more)."""
         state = self.requests.pop(request_id, None)
         if state is None:
-            return [], None
+            return None
         running = []
         for child_id, child in zip(state.child_ids, state.children, strict=True):
             if child.finish_reason is None:
@@ -201,7 +275,7 @@ class OutputProcessor:
                 running.append(child_id)
             self.child_to_parent.pop(child_id, None)
         state.metrics.finished_time = time.time()
-        return running, state.to_output()
+        return AbortedRequest(running, state.next_output(), state.final_output())
 
     @staticmethod
     def _update_metrics(m: RequestMetrics, out: EngineCoreOutput, now: float, first_child: bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanollmserve.errors import UserError
+from nanollmserve.errors import ParamError, UserError
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -29,7 +29,7 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     normalized = []
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
-            raise ValueError("messages: each message needs a role")
+            raise ParamError("messages: each message needs a role", "messages")
         role = message["role"]
         if role == "developer":
             role = "system"
@@ -40,11 +40,13 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             parts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                    raise ValueError("messages: only text content parts are supported")
+                    raise ParamError("messages: only text content parts are supported", "messages")
                 parts.append(part.get("text", ""))
             content = "".join(parts)
         if not isinstance(content, str):
-            raise ValueError("messages: content must be a string or a list of text parts")
+            raise ParamError(
+                "messages: content must be a string or a list of text parts", "messages"
+            )
         normalized.append({"role": role, "content": content})
     return normalized
 
@@ -55,7 +57,7 @@ def chat_prompt_token_ids(
     """Render the conversation with the chat template (plus the assistant prefix) and
     tokenize it; the template already writes the special tokens it needs."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; pass --chat-template FILE")
+        raise ParamError("this model has no chat template; pass --chat-template FILE", "messages")
     text = tokenizer.apply_chat_template(
         normalize_messages(messages),
         chat_template=chat_template,

@@ -1,0 +1,171 @@
+"""Admitting engine requests and collecting what they produce: the one layer the HTTP routes
+and the gRPC service share.
+
+- `admit`: one engine request per prompt, all or none (a failure aborts the ones admitted).
+- `collect_final`: the one FINAL_ONLY output of each stream; returns early (aborting them
+  all) if `gone` finishes first, e.g. a client that disconnected.
+- `choice_deltas`: for streaming, the new text / tokens / logprobs of every choice as they
+  come, from one stream or several merged, with the token totals for the final usage.
+- `finish_reason`: a choice's reason, where "abort" (the server or the client went away)
+  becomes an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from nanollmserve.frontend.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    OutputKind,
+    RequestStream,
+)
+from nanollmserve.outputs import CompletionOutput, RequestOutput
+from nanollmserve.sampling_params import SamplingParams
+
+MAX_BATCH_PROMPTS = 256
+"""Most prompts one request may carry (completions' prompt list, /batch_generate, gRPC)."""
+
+
+async def admit(
+    engine: AsyncEngine,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    request_id: str,
+    output_kind: OutputKind,
+) -> list[RequestStream]:
+    """One engine request per prompt (ids `request_id`, or `request_id-i` for several), all
+    or none: an error admitting one aborts the others and is raised."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await engine.add_request(prompt, params, rid, output_kind))
+    except BaseException:
+        for stream in streams:
+            stream.abort()
+        raise
+    return streams
+
+
+def finish_reason(choice: CompletionOutput) -> str | None:
+    """ "stop" / "length" / None (running); an aborted choice means the client or the server
+    went away, which ends the request with an error."""
+    if choice.finish_reason == "abort":
+        raise EngineDeadError("the request was aborted")
+    return choice.finish_reason
+
+
+async def collect_final(
+    streams: list[RequestStream], gone: Awaitable | None = None
+) -> list[RequestOutput]:
+    """The final output of every stream (FINAL_ONLY streams). If `gone` completes first,
+    every stream is aborted (their KV blocks return at once) and EngineDeadError raised."""
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        output = None
+        async for item in stream:
+            output = item
+        return output
+
+    results = asyncio.gather(*(last(s) for s in streams))
+    watcher = asyncio.ensure_future(gone) if gone is not None else None
+    try:
+        waiting = {results} if watcher is None else {results, watcher}
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if results not in done:
+            raise EngineDeadError("the client disconnected")
+        return results.result()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if not results.done():
+            results.cancel()
+            with contextlib.suppress(BaseException):
+                await results
+        for stream in streams:
+            stream.abort()
+
+
+async def merge_streams(
+    streams: list[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several streams as they come; closing it aborts all."""
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].abort()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        num_open = len(streams)
+        while num_open:
+            index, item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+@dataclass
+class ChoiceDelta:
+    """What is new for one choice: `choice` holds only the new text, tokens and logprobs."""
+
+    prompt_index: int
+    output: RequestOutput
+    """The DELTA output it came in (prompt, metrics)."""
+    choice: CompletionOutput
+    finish_reason: str | None
+    first: bool
+    """The choice's first delta."""
+
+
+@dataclass
+class StreamTotals:
+    """Token counts of a stream so far, per prompt: what its final usage reports."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+
+async def choice_deltas(
+    streams: list[RequestStream], totals: StreamTotals | None = None
+) -> AsyncIterator[ChoiceDelta]:
+    """Every choice's deltas from DELTA streams as they come (choices with nothing new are
+    skipped); an aborted choice raises EngineDeadError. Counts tokens into `totals`."""
+    seen: set[tuple[int, int]] = set()
+    async for prompt_index, output in merge_streams(streams):
+        if totals is not None:
+            totals.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+            totals.cached_tokens[prompt_index] = output.num_cached_tokens
+        for choice in output.outputs:
+            reason = finish_reason(choice)
+            if totals is not None:
+                totals.completion_tokens += len(choice.token_ids)
+            key = (prompt_index, choice.index)
+            first = key not in seen
+            seen.add(key)
+            yield ChoiceDelta(prompt_index, output, choice, reason, first)

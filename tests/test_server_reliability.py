@@ -1,0 +1,130 @@
+"""What keeps a live server up, through its HTTP API: readers that stall do not grow its
+memory (outputs are queued as deltas, merged while a reader lags), a huge prompt is
+tokenized off the event loop (`/health` still answers), and a failing engine step fails only
+the requests in the engine (500), after which the server goes on; repeated failures make the
+process exit non-zero so a supervisor restarts it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import LiveServer
+
+pytestmark = pytest.mark.milestone("m02")
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_stalled_streams_do_not_grow_memory_and_free_their_blocks():
+    server = LiveServer.start("--num-kv-blocks", "2048", "--max-num-seqs", "8")
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+        with server.client() as warm:  # first steps allocate what a batch needs
+            warm.post("/v1/completions", json={**body, "max_tokens": 64}).raise_for_status()
+        before = _rss_bytes(server.process.pid)
+        generated_before = server.stats()["num_generation_tokens"]
+        clients = [httpx.Client(base_url=server.url, timeout=120) for _ in range(8)]
+        responses = []
+        for client in clients:  # opened, headers read, body never read
+            request = client.build_request("POST", "/v1/completions", json={**body, "stream": True})
+            response = client.send(request, stream=True)
+            assert response.status_code == 200
+            responses.append(response)
+        time.sleep(25)
+        grown = _rss_bytes(server.process.pid) - before
+        stats = server.stats()
+        generated = stats["num_generation_tokens"] - generated_before
+        print(f"8 stalled streams: {generated} tokens generated, RSS grew {grown / 2**20:.1f} MB")
+        assert stats["num_requests_running"] == 8
+        assert generated > 8 * 300  # the streams really ran while nobody read them
+        assert grown < 100 * 2**20
+        for response, client in zip(responses, clients, strict=True):
+            response.close()
+            client.close()
+        idle = server.wait_idle(timeout=60)
+        assert idle["num_requests_running"] == 0
+        assert idle["num_free_blocks"] == idle["num_total_blocks"]
+    finally:
+        server.stop()
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized():
+    server = LiveServer.start()
+    try:
+        prompt = "hello world, this is a test of tokenization. " * 78_000  # ~3.5 MB
+        result: dict = {}
+
+        def send_big() -> None:
+            with server.client() as client:
+                start = time.perf_counter()
+                response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+                result["seconds"] = time.perf_counter() - start
+                result["response"] = response
+
+        thread = threading.Thread(target=send_big)
+        thread.start()
+        latencies = []
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            while thread.is_alive():
+                start = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.05)
+        thread.join()
+        response = result["response"]
+        print(
+            f"big prompt answered in {result['seconds']:.2f} s; /health max {max(latencies):.3f} s"
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "prompt"
+        assert "maximum context length" in response.json()["error"]["message"]
+        assert result["seconds"] > 1.0 and len(latencies) >= 5  # polled during the tokenization
+        assert max(latencies) < 1.0
+    finally:
+        server.stop()
+
+
+def _complete(server: LiveServer, max_tokens: int = 8) -> httpx.Response:
+    with server.client() as client:
+        body = {"prompt": "The capital of France is", "max_tokens": max_tokens}
+        return client.post("/v1/completions", json=body)
+
+
+def test_a_failed_step_is_a_500_and_the_server_goes_on():
+    server = LiveServer.start(env={"NANOLLMSERVE_FAIL_STEPS": "3"})
+    try:
+        failed = _complete(server)
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "engine_step_failed"
+        assert "step 3 failed" in error["message"]
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        ok = _complete(server)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+        idle = server.wait_idle()
+        assert idle["num_requests_failed"] == 1
+        assert idle["num_free_blocks"] == idle["num_total_blocks"]
+        assert server.process.poll() is None
+    finally:
+        server.stop()
+
+
+def test_repeated_step_failures_exit_the_process_non_zero():
+    server = LiveServer.start(env={"NANOLLMSERVE_FAIL_STEPS": "1,2,3"})
+    try:
+        for _ in range(3):
+            assert _complete(server).status_code == 500
+        assert server.process.wait(timeout=60) == 1
+        assert "the engine failed" in server.log()
+    finally:
+        server.stop()
