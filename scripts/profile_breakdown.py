@@ -66,14 +66,14 @@ def offline(batch: int, steps: int) -> dict:
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
-        processor.process_outputs(engine.step())
+        processor.process_outputs(engine.step().outputs)
     for _ in range(5):
-        processor.process_outputs(engine.step())
+        processor.process_outputs(engine.step().outputs)
     for key in timings:
         timings[key] = 0.0
     start = time.perf_counter()
     for _ in range(steps):
-        processor.process_outputs(engine.step())
+        processor.process_outputs(engine.step().outputs)
     total = time.perf_counter() - start
     attention = timings["attention"]
     engine.abort_requests([str(i) for i in range(batch)])

@@ -12,8 +12,8 @@ import pytest
 from live_server import LiveServer, shared_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanollmserve.engine.engine_core import EngineStats, StepStats
 from nanollmserve.engine.kv_cache import KVCacheStats
+from nanollmserve.engine.stats import EngineStats, StepStats
 from nanollmserve.metrics import ServerMetrics, format_stats_line
 from nanollmserve.metrics.prometheus import SIMPLE_LATENCY_BUCKETS_S, build_1_2_5_buckets
 from nanollmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -16,14 +16,14 @@ def record_steps(engine) -> list[list[tuple[str, int, int]]]:
     steps = []
     execute = engine.model_runner.execute_model
 
-    def recording(scheduled, kv_cache):
+    def recording(scheduled):
         steps.append(
             [
                 (r.request_id, r.num_computed_tokens, n)
                 for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)
             ]
         )
-        return execute(scheduled, kv_cache)
+        return execute(scheduled)
 
     engine.model_runner.execute_model = recording
     return steps
@@ -69,15 +69,17 @@ def test_preemption_picks_the_newest_and_requeues_it_first(make_llm):
     for i in range(3):
         engine.add_request(EngineCoreRequest(f"p{i}", list(range(300 + i, 330 + i)), params))
     preempted_seen = False
+    before = 0
     while engine.has_unfinished_requests():
-        before = engine.scheduler.num_preemptions
-        engine.step()
-        if engine.scheduler.num_preemptions > before and not preempted_seen:
+        stats = engine.step().stats
+        if stats.num_preemptions > before and not preempted_seen:
             preempted_seen = True
             newest_running = [r.request_id for r in engine.scheduler.running]
             assert engine.scheduler.waiting[0].request_id not in newest_running
             assert engine.scheduler.waiting[0].request_id == "p2"
+        before = stats.num_preemptions
     assert preempted_seen
+    assert engine.stats().kv_cache.peak_used_blocks == 6  # the three prompts fill the pool
     recomputes = [(rid, n) for step in steps for rid, computed, n in step if computed == 0]
     assert [rid for rid, _ in recomputes].count("p2") >= 2  # started again from zero
 

@@ -70,7 +70,7 @@ def run_engine(
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, timings[order[next_index]].arrival - time.perf_counter()))
             continue
-        outputs = engine.step()
+        outputs = engine.step().outputs
         now = time.perf_counter()
         for output in outputs:
             timing = timings[by_id[output.request_id]]

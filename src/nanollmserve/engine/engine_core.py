@@ -1,9 +1,10 @@
 """EngineCore: the engine's loop body. `step()` = schedule -> execute -> update.
 
-It owns the scheduler (with the KV block manager) and the model runner, takes
-EngineCoreRequests (token ids and sampling params), and returns EngineCoreOutputs (new token
-ids, finish reasons). It never sees text. Construction loads the model and makes the one KV
-allocation, sized from `num_kv_blocks` or `kv_cache_memory`.
+It owns the scheduler (with the KV block manager), the model runner and the counters, takes
+EngineCoreRequests (token ids and sampling params), and returns an `EngineStepResult`: the
+EngineCoreOutputs (new token ids, finish reasons) and the stats after the step. It never sees
+text. Construction loads the model and makes the one KV allocation, sized from
+`num_kv_blocks` or `kv_cache_memory`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from dataclasses import dataclass
 import torch
 
 from nanollmserve.config import EngineConfig
-from nanollmserve.engine.kv_cache import KVCacheManager, KVCacheStats
+from nanollmserve.engine.kv_budget import gpu_kv_cache_bytes
+from nanollmserve.engine.kv_cache import KVCacheManager
 from nanollmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from nanollmserve.engine.model_loading import LoadedModel, load_engine_model
 from nanollmserve.engine.model_runner import ModelRunner
 from nanollmserve.engine.request import Request, RequestStatus
 from nanollmserve.engine.scheduler import Scheduler
+from nanollmserve.engine.stats import EngineCounters, EngineStats, StepStats
 from nanollmserve.errors import UserError
+
+__all__ = ["EngineCore", "EngineStats", "EngineStepResult", "StepStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,37 +34,13 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass
-class StepStats:
-    """What the latest step did: the per-step numbers of the metrics (see `metrics/`)."""
+class EngineStepResult:
+    """What one `EngineCore.step()` returns."""
 
-    num_scheduled_tokens: int
-    """Tokens the model ran: prompt chunks plus one per decoding request."""
-    inter_token_latencies: list[float]
-    """Seconds since the previous token of each request that got a token (not its first)."""
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine for /stats, metrics and logs."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache: KVCacheStats
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_prompt_tokens: int
-    """Prompt tokens of the requests that produced their first token."""
-    num_generation_tokens: int
-    last_step: StepStats | None = None
-    """The latest step (None before the first); observers read it in `on_step`."""
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        if not self.prefix_cache_queries:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
+    outputs: list[EngineCoreOutput]
+    """One per request that got a token this step (empty when nothing was scheduled)."""
+    stats: EngineStats
+    """The engine after this step; `stats.last_step` is this step (if it ran anything)."""
 
 
 class EngineCore:
@@ -72,13 +53,8 @@ class EngineCore:
         block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(block_size)
         self.max_model_len = self._max_model_len(self.num_kv_blocks * block_size)
-        self.eos_token_ids = set(model_config.eos_token_ids)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self._make_scheduler()
         self.model_runner = ModelRunner(
             self.loaded.model,
             num_blocks=self.num_kv_blocks,
@@ -87,8 +63,7 @@ class EngineCore:
             dtype=self.dtype,
             seed=config.seed,
         )
-        self.num_steps = 0
-        self.last_step: StepStats | None = None
+        self.counters = EngineCounters()
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, core_request: EngineCoreRequest) -> None:
@@ -120,30 +95,39 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     # -- the loop body --------------------------------------------------------------------
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineStepResult:
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return []
-        sampled = self.model_runner.execute_model(scheduled, self.kv_cache)
-        self.num_steps += 1
-        outputs = self.scheduler.update_from_output(scheduled, sampled)
-        self.last_step = StepStats(
-            scheduled.total_num_tokens, self.scheduler.step_inter_token_latencies
-        )
-        return outputs
+        self.counters.record_schedule(scheduled)
+        outputs: list[EngineCoreOutput] = []
+        if not scheduled.is_empty:
+            sampled = self.model_runner.execute_model(scheduled)
+            outputs, step = self.scheduler.update_from_output(scheduled, sampled)
+            self.counters.record_step(step)
+        return EngineStepResult(outputs, self.stats())
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
+        """A snapshot of the engine now (also between steps, when it is idle)."""
+        return self.counters.snapshot(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
             kv_cache=self.kv_cache.stats(),
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.num_steps,
-            num_prompt_tokens=self.scheduler.num_prompt_tokens,
-            num_generation_tokens=self.scheduler.num_generation_tokens,
-            last_step=self.last_step,
+        )
+
+    def reset(self) -> None:
+        """Forget every request and every cached prefix, after a step that raised: what it
+        wrote to the KV cache (and the prefix hashes registered for it) cannot be trusted.
+        The model, the KV tensor and the counters stay."""
+        self._make_scheduler()
+
+    def _make_scheduler(self) -> None:
+        config = self.config
+        self.kv_cache = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
     # -- sizing ---------------------------------------------------------------------------
@@ -154,8 +138,13 @@ class EngineCore:
         memory = self.config.kv_cache_memory
         if memory is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                memory = int(free * 0.9)
+                free, total = torch.cuda.mem_get_info(self.device)
+                memory = gpu_kv_cache_bytes(
+                    total=total,
+                    free=free,
+                    used_by_engine=torch.cuda.memory_reserved(self.device),
+                    utilization=self.config.gpu_memory_utilization,
+                )
             else:
                 memory = DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = memory // bytes_per_block

@@ -10,12 +10,15 @@ that computes them is scheduled (the whole batch writes its K/V before any atten
 so a request scheduled later in the same step may already reuse them). A freed block keeps its
 hash and stays findable until the pool needs it for something else: free blocks form an LRU
 queue, evicted from the front.
+
+It counts nothing: the scheduler reports lookups, hits and blocks in use in its
+`SchedulerOutput`, and `EngineCore` keeps the totals (`engine/stats.py`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanollmserve.engine.request import Request
 
@@ -95,7 +98,9 @@ class KVCacheStats:
     """Token slots holding a token of a running request."""
     reserved_tokens: int
     """Token slots in the blocks in use (allocated + the empty tail of each last block)."""
-    peak_used_blocks: int
+    peak_used_blocks: int = 0
+    """The most blocks in use at once since start: filled in by EngineCore from its counters
+    (the manager itself reports only the present, so 0 from `KVCacheManager.stats()`)."""
 
     @property
     def usage(self) -> float:
@@ -108,25 +113,36 @@ class KVCacheStats:
         return 1.0 - self.allocated_tokens / self.reserved_tokens
 
 
+@dataclass
+class RequestBlocks:
+    """One request's share of the pool: its block table and how far it is filled."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+    """Tokens whose slots the request holds."""
+    num_registered: int = 0
+    """Leading blocks already in the prefix cache."""
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_num_tokens: dict[str, int] = {}  # tokens whose slots the request holds
-        self.req_num_registered: dict[str, int] = {}  # leading blocks already in the cache
-        self.peak_used_blocks = 0
-        self.prefix_cache_queries = 0  # tokens looked up (first scheduling of a request)
-        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.req_blocks: dict[str, RequestBlocks] = {}  # request id -> what it holds
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.pool.num_free_blocks
+
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        held = self.req_blocks.get(request_id)
+        return [b.block_id for b in held.blocks] if held else []
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached full blocks that prefixes the request's tokens.
@@ -145,52 +161,41 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count a request's lookup once, when it is first admitted (a request resumed after
-        preemption recomputes its own tokens: that is no hit)."""
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
     ) -> bool:
         """Give the request slots for `num_new_tokens` more tokens after its computed ones
         (and after `computed_blocks`, cache hits it takes on now). False if the pool is short."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        held = self.req_blocks.get(request.request_id) or RequestBlocks()
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
-        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = -(-num_tokens // self.block_size) - len(held.blocks) - len(computed_blocks)
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
-            if not blocks:
-                del self.req_blocks[request.request_id]
             return False
+        self.req_blocks[request.request_id] = held
         self.pool.touch(list(computed_blocks))
-        blocks.extend(computed_blocks)
+        held.blocks.extend(computed_blocks)
         if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
-        self.req_num_tokens[request.request_id] = num_tokens
+            held.blocks.extend(self.pool.allocate(num_needed))
+        held.num_tokens = num_tokens
         if computed_blocks:  # a fresh request: its cache hits are its first blocks
-            self.req_num_registered[request.request_id] = len(computed_blocks)
+            held.num_registered = len(computed_blocks)
         if self.enable_prefix_caching:
-            self._register_full_blocks(request, blocks, num_tokens)
-        used = self.num_blocks - self.pool.num_free_blocks
-        self.peak_used_blocks = max(self.peak_used_blocks, used)
+            self._register_full_blocks(request, held)
         return True
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.pool.free(list(reversed(blocks)))
-        self.req_num_tokens.pop(request.request_id, None)
-        self.req_num_registered.pop(request.request_id, None)
+        held = self.req_blocks.pop(request.request_id, None)
+        if held is not None:
+            self.pool.free(list(reversed(held.blocks)))
 
     def stats(self) -> KVCacheStats:
-        used = self.num_blocks - self.pool.num_free_blocks
+        used = self.num_used_blocks
         reserved = used * self.block_size
         empty_tails = sum(
-            len(self.req_blocks[rid]) * self.block_size - n
-            for rid, n in self.req_num_tokens.items()
+            len(held.blocks) * self.block_size - held.num_tokens
+            for held in self.req_blocks.values()
         )
         return KVCacheStats(
             num_blocks=self.num_blocks,
@@ -200,18 +205,16 @@ class KVCacheManager:
             num_cached_blocks=len(self.pool.cached_blocks),
             allocated_tokens=reserved - empty_tails,
             reserved_tokens=reserved,
-            peak_used_blocks=self.peak_used_blocks,
         )
 
-    def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int):
-        num_full = num_tokens // self.block_size
-        start = self.req_num_registered.get(request.request_id, 0)
-        if num_full <= start:
+    def _register_full_blocks(self, request: Request, held: RequestBlocks) -> None:
+        num_full = held.num_tokens // self.block_size
+        if num_full <= held.num_registered:
             return
         self._extend_block_hashes(request, num_full)
-        for i in range(start, num_full):
-            self.pool.register(blocks[i], request.block_hashes[i], self._block_key(request, i))
-        self.req_num_registered[request.request_id] = num_full
+        for i in range(held.num_registered, num_full):
+            self.pool.register(held.blocks[i], request.block_hashes[i], self._block_key(request, i))
+        held.num_registered = num_full
 
     def _block_key(self, request: Request, index: int) -> tuple:
         """(parent block's hash, this block's token ids): what the block's hash is made of."""

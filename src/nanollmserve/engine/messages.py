@@ -1,4 +1,8 @@
-"""The typed messages at the frontend/engine seam: token ids in, token ids out."""
+"""The typed messages of the engine: token ids in, token ids out.
+
+`EngineCoreRequest` and `EngineCoreOutput` cross the frontend/engine seam; `SampledToken`
+crosses the runner/scheduler one inside the engine.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,14 @@ class TokenLogprobs:
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int]
+
+
+@dataclass
+class SampledToken:
+    """What the model runner sampled for one request this step (runner -> scheduler)."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass

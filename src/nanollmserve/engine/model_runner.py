@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanollmserve.engine.kv_cache import KVCacheManager
-from nanollmserve.engine.messages import TokenLogprobs
+from nanollmserve.engine.messages import SampledToken, TokenLogprobs
 from nanollmserve.engine.request import Request
-from nanollmserve.engine.scheduler import SampledToken, SchedulerOutput
+from nanollmserve.engine.scheduler import SchedulerOutput
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.attention_context import (
     AttentionContext,
@@ -62,12 +61,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=device)
 
     @torch.inference_mode()
-    def execute_model(
-        self, scheduled: SchedulerOutput, kv_cache: KVCacheManager
-    ) -> list[SampledToken | None]:
-        input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(
-            scheduled, kv_cache
-        )
+    def execute_model(self, scheduled: SchedulerOutput) -> list[SampledToken | None]:
+        """One token (or None: a prefill chunk short of the prompt's end) per request."""
+        input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
         with matmul_kernels_for(input_ids.shape[0], self.device, self.dtype):
             try:
                 hidden = self.model(input_ids, positions)
@@ -86,7 +82,7 @@ class ModelRunner:
             results[row] = token
         return results
 
-    def _prepare_inputs(self, scheduled: SchedulerOutput, kv_cache: KVCacheManager):
+    def _prepare_inputs(self, scheduled: SchedulerOutput):
         requests, num_new = scheduled.requests, scheduled.num_new_tokens
         starts = [r.num_computed_tokens for r in requests]
         token_ids: list[int] = []
@@ -99,14 +95,12 @@ class ModelRunner:
         ends = torch.cumsum(lens, 0)
         request_of_token = torch.repeat_interleave(torch.arange(len(requests)), lens)
         positions = torch.arange(len(token_ids)) - (ends - ctx_lens)[request_of_token]
-        tables = [kv_cache.block_ids(r.request_id) for r in requests]
+        tables = scheduled.block_ids
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         slot_mapping = block_tables[request_of_token, positions // bs] * bs + positions % bs
 
-        num_decodes = 0
-        while num_decodes < len(num_new) and num_new[num_decodes] == 1:
-            num_decodes += 1
+        num_decodes = scheduled.num_decodes
         context = AttentionContext(
             slot_mapping=slot_mapping.to(self.device), num_decode_tokens=num_decodes
         )
@@ -172,7 +166,7 @@ class ModelRunner:
             (row, t)
             for row, (r, p) in enumerate(zip(requests, params, strict=True))
             if r.num_output_tokens < p.min_tokens
-            for t in sorted(r.eos_token_ids | set(p.stop_token_ids))
+            for t in r.min_tokens_blocked_ids
         ]
         if blocked:
             rows, tokens = zip(*blocked, strict=True)

@@ -43,17 +43,26 @@ _FINISH_REASONS = {
 
 
 class Request:
-    def __init__(self, core_request: EngineCoreRequest, eos_token_ids: set[int], max_tokens: int):
+    def __init__(
+        self,
+        core_request: EngineCoreRequest,
+        eos_token_ids: frozenset[int] | set[int],
+        max_tokens: int,
+    ):
         self.request_id = core_request.request_id
         self.prompt_token_ids = list(core_request.prompt_token_ids)
         self.sampling_params = core_request.sampling_params
         self.arrival_time = core_request.arrival_time or time.time()
-        self.eos_token_ids = set() if self.sampling_params.ignore_eos else eos_token_ids
+        params = self.sampling_params
+        self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        # Masked by the sampler while fewer than min_tokens are out (built once, not per step).
+        self.min_tokens_blocked_ids = tuple(sorted(self.eos_token_ids | self.stop_token_ids))
         self.max_tokens = max_tokens
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None

@@ -9,6 +9,10 @@ up to `max_num_seqs` running at once.
 When the pool has no block for a running request, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 later (its computed blocks often survive in the prefix cache).
+
+The scheduler keeps no counters: what a step did (preemptions, prefix-cache lookups, blocks
+in use, tokens produced, inter-token latencies) goes out in its `SchedulerOutput` and
+`StepStats`, and `EngineCore` keeps the totals (`engine/stats.py`).
 """
 
 from __future__ import annotations
@@ -18,17 +22,29 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanollmserve.engine.kv_cache import KVCacheManager
-from nanollmserve.engine.messages import EngineCoreOutput, TokenLogprobs
+from nanollmserve.engine.messages import EngineCoreOutput, SampledToken
 from nanollmserve.engine.request import Request, RequestStatus
+from nanollmserve.engine.stats import StepStats
 
 
 @dataclass
 class SchedulerOutput:
-    """Requests to run this step and how many new tokens each, decodes (1 token) first."""
+    """Requests to run this step and how many new tokens each, decodes (1 token) first:
+    everything the model runner needs, and what scheduling did for the engine's counters."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Each request's block table, with this step's slots allocated."""
+    num_decodes: int = 0
+    """The first `num_decodes` requests run one token each."""
     num_preempted: int = 0
+    prefix_cache_queries: int = 0
+    """Tokens of the requests admitted for the first time (0 with prefix caching off)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found in the prefix cache."""
+    peak_used_blocks: int = 0
+    """The most KV blocks in use at any point while scheduling."""
 
     @property
     def total_num_tokens(self) -> int:
@@ -37,14 +53,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
-
-
-@dataclass
-class SampledToken:
-    """What the model runner sampled for one request this step."""
-
-    token_id: int
-    logprobs: TokenLogprobs | None = None
 
 
 class Scheduler:
@@ -60,10 +68,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
-        self.num_prompt_tokens = 0  # of requests that produced their first token
-        self.num_generation_tokens = 0
-        self.step_inter_token_latencies: list[float] = []  # of the latest update
 
     @property
     def num_unfinished(self) -> int:
@@ -74,7 +78,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(peak_used_blocks=self.kv_cache.num_used_blocks)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
@@ -82,7 +86,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while not self._allocate(out, request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -104,14 +108,16 @@ class Scheduler:
             computed_blocks = self.kv_cache.get_computed_blocks(request)
             num_computed = len(computed_blocks) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+            if not self._allocate(out, request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:  # first admission (not a resume)
+            if request.num_cached_tokens is None:  # first admission (not a resume)
                 request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.time()
-                self.kv_cache.record_prefix_lookup(request.num_tokens, num_computed)
+                if self.kv_cache.enable_prefix_caching:  # a resume recomputes: no hit
+                    out.prefix_cache_queries += request.num_tokens
+                    out.prefix_cache_hits += num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
@@ -121,15 +127,27 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[1] != 1)
         out.requests = [request for request, _ in scheduled]
         out.num_new_tokens = [n for _, n in scheduled]
+        out.block_ids = [self.kv_cache.block_ids(r.request_id) for r in out.requests]
+        out.num_decodes = sum(1 for n in out.num_new_tokens if n == 1)
         return out
+
+    def _allocate(
+        self, out: SchedulerOutput, request: Request, num_new: int, computed_blocks=()
+    ) -> bool:
+        """`allocate_slots`, noting the most blocks in use for the engine's peak."""
+        if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+            return False
+        out.peak_used_blocks = max(out.peak_used_blocks, self.kv_cache.num_used_blocks)
+        return True
 
     def update_from_output(
         self, scheduled: SchedulerOutput, sampled: list[SampledToken | None]
-    ) -> list[EngineCoreOutput]:
-        """Advance each request by what ran, append sampled tokens, finish what is done."""
+    ) -> tuple[list[EngineCoreOutput], StepStats]:
+        """Advance each request by what ran, append sampled tokens, finish what is done.
+        Returns the outputs and what the step did."""
         outputs = []
         now = time.time()
-        self.step_inter_token_latencies = []
+        step = StepStats(scheduled.total_num_tokens)
         for request, num_new, sample in zip(
             scheduled.requests, scheduled.num_new_tokens, sampled, strict=True
         ):
@@ -137,12 +155,12 @@ class Scheduler:
             if sample is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
             request.append_token(sample.token_id)
-            self.num_generation_tokens += 1
+            step.num_generation_tokens += 1
             if request.last_token_time is not None:
-                self.step_inter_token_latencies.append(now - request.last_token_time)
+                step.inter_token_latencies.append(now - request.last_token_time)
             request.last_token_time = now
             if request.num_output_tokens == 1:
-                self.num_prompt_tokens += request.num_prompt_tokens
+                step.num_prompt_tokens += request.num_prompt_tokens
             status = self._check_stop(request, sample.token_id)
             if status is not None:
                 self.finish(request, status)
@@ -153,19 +171,19 @@ class Scheduler:
                     new_logprobs=[sample.logprobs] if sample.logprobs else None,
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
+                    num_cached_tokens=request.num_cached_tokens or 0,
                     first_scheduled_time=request.first_scheduled_time,
                     num_preemptions=request.num_preemptions,
                 )
             )
-        return outputs
+        return outputs, step
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens > params.min_tokens:  # the sampler masks stops until then
             if token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+            if token_id in request.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens:
@@ -187,5 +205,4 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)

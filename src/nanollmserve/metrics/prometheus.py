@@ -30,7 +30,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from nanollmserve.engine.engine_core import EngineStats
+from nanollmserve.engine.stats import EngineStats
 from nanollmserve.outputs import RequestOutput
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "build_1_2_5_buckets"]

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from nanollmserve.engine.engine_core import EngineStats
+from nanollmserve.engine.stats import EngineStats
 
 __all__ = ["StatsLogger", "format_stats_line"]
 
