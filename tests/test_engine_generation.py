@@ -51,15 +51,20 @@ def test_greedy_matches_hugging_face_generate(llm):
 
 
 @pytest.mark.milestone("m05")
-def test_batch_invariance(llm):
-    """16 prompts of mixed lengths give the same greedy tokens together as one by one."""
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_batch_invariance(make_llm, prefix_caching):
+    """16 prompts of mixed lengths give the same greedy tokens together as one by one. Without
+    prefix caching the runs alone recompute every token instead of reusing the batch's blocks."""
+    llm = make_llm(enable_prefix_caching=prefix_caching)
     prompts = [long_text(3 + 9 * i, seed=i) for i in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     together = llm.generate(prompts, params)
     alone = [llm.generate(p, params)[0] for p in prompts]
     for a, b in zip(together, alone, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert llm.engine.stats().num_steps > 0
+    stats = llm.engine.stats()
+    assert stats.num_steps > 0
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
 
 
 @pytest.mark.milestone("m05")
@@ -110,14 +115,18 @@ def test_chunked_prefill_matches_unchunked(make_llm):
 
 
 @pytest.mark.milestone("m09")
-def test_preemption_recomputes_and_keeps_outputs(make_llm):
-    """A pool for 2-3 requests: 12 requests still finish, with the outputs of a big pool."""
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_preemption_recomputes_and_keeps_outputs(make_llm, prefix_caching):
+    """A pool for 2-3 requests: 12 requests still finish, with the outputs of a big pool.
+    Without prefix caching a resumed request recomputes its tokens rather than finding them."""
     prompts = [long_text(20 + 3 * i, seed=100 + i) for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    small = make_llm(num_kv_blocks=14, max_model_len=224, block_size=16)
+    small = make_llm(
+        num_kv_blocks=14, max_model_len=224, block_size=16, enable_prefix_caching=prefix_caching
+    )
     squeezed = small.generate(prompts, params)
     assert small.engine.stats().num_preemptions > 0
-    reference = make_llm().generate(prompts, params)
+    reference = make_llm(enable_prefix_caching=prefix_caching).generate(prompts, params)
     for a, b in zip(squeezed, reference, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == "length"

@@ -20,7 +20,10 @@ def texts(outputs):
 
 
 @pytest.mark.milestone("m01")
-def test_same_seed_same_output_whatever_the_batch(llm):
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_same_seed_same_output_whatever_the_batch(make_llm, prefix_caching):
+    """Without prefix caching the batched run recomputes the prompt the run alone computed."""
+    llm = make_llm(enable_prefix_caching=prefix_caching)
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16)
     alone = llm.generate(PROMPT, params)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=16)
