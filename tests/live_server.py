@@ -42,16 +42,29 @@ def busy_port():
 
 
 class LiveServer:
-    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, api_key: str | None):
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        port: int,
+        log_path: Path,
+        api_key: str | None,
+        verify: str | None = None,
+    ):
         self.process = process
         self.port = port
         self.log_path = log_path
         self.api_key = api_key
-        self.url = f"http://127.0.0.1:{port}"
+        self.verify = verify or True
+        """With `verify` (a CA file: the server was started with --ssl-*) it speaks HTTPS."""
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{port}"
 
     @classmethod
     def start(
-        cls, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+        cls,
+        *args: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        verify: str | None = None,
     ) -> LiveServer:
         port = free_port()
         log_fd, log_path = tempfile.mkstemp(prefix="nanollmserve-test-", suffix=".log")
@@ -64,7 +77,7 @@ class LiveServer:
         process = subprocess.Popen(command, stdout=log_fd, stderr=subprocess.STDOUT, env=env)
         os.close(log_fd)
         atexit.register(Path(log_path).unlink, missing_ok=True)
-        server = cls(process, port, Path(log_path), api_key)
+        server = cls(process, port, Path(log_path), api_key, verify)
         server.wait_ready()
         return server
 
@@ -74,7 +87,8 @@ class LiveServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -87,7 +101,9 @@ class LiveServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+        return httpx.Client(
+            base_url=self.url, headers=self.headers, timeout=timeout, verify=self.verify
+        )
 
     def openai(self, strict: bool = True, asynchronous: bool = False):
         import openai

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 
 from nanollmserve.errors import UserError
 
@@ -32,11 +33,17 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Number of KV cache blocks (overrides --kv-cache-memory)."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache (default: 1 GiB on CPU, 90% of free memory on CUDA)."""
+    """Bytes for the KV cache (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization
+    leaves after the weights)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's total memory this engine may use (0 < F <= 1); the KV cache gets
+    what is left after the weights. CUDA only (on CPU, --kv-cache-memory sizes the cache)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
     seed: int = 0
     """Seed of the sampler for requests that do not set their own."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer directory to use instead of the model's."""
     quantization: str | None = None
     """CPU weight formats, faster at small batches, slower at large: int8 (weight-only int8)
     or fp16 (float16 weights, float32 math)."""
@@ -58,6 +65,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1, got {value}")
+        if (
+            self.tokenizer is not None
+            and not Path(self.tokenizer, "tokenizer_config.json").is_file()
+        ):
+            raise UserError(
+                f"tokenizer must be a Hugging Face tokenizer directory (with "
+                f"tokenizer_config.json), got {self.tokenizer!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UserError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
 
 def _flag(name: str) -> str:
@@ -65,7 +84,8 @@ def _flag(name: str) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
-    """Add one flag per EngineConfig field (booleans that default to True get --no-X)."""
+    """Add one flag per EngineConfig field. A boolean gets --X and --no-X (vLLM's names); an
+    `enable_X` one also keeps the older alias --no-X."""
     for f in fields(EngineConfig):
         default = f.default if f.default is not MISSING else None
         doc = _FIELD_DOCS.get(f.name, "").replace("%", "%%")
@@ -73,17 +93,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
             if model_positional:
                 parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=doc)
             parser.add_argument("--model", default=None, help=doc)
-        elif f.type == "bool" and default is True:
-            parser.add_argument(
-                _flag("no_" + f.name.removeprefix("enable_")),
-                dest=f.name,
-                action="store_false",
-                help=f"Disable: {doc[0].lower()}{doc[1:]}",
-            )
         elif f.type == "bool":
-            parser.add_argument(_flag(f.name), dest=f.name, action="store_true", help=doc)
+            parser.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f"{doc.rstrip('.')} (default: {'on' if default else 'off'})",
+            )
+            if f.name.startswith("enable_"):
+                parser.add_argument(
+                    _flag("no_" + f.name.removeprefix("enable_")),
+                    dest=f.name,
+                    action="store_false",
+                    help=f"Same as {_flag('no_' + f.name)}",
+                )
         else:
-            kind = int if "int" in f.type else str
+            kind = int if "int" in f.type else float if "float" in f.type else str
             parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default, help=doc)
 
 

@@ -27,7 +27,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.engine.loaded.model_dir)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.loaded.model_dir)
         self.input_processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size
         )

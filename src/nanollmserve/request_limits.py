@@ -17,8 +17,8 @@ from nanollmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _HELP = {
     "max_n": "most choices one request may ask for (`n`; OpenAI's limit is 128)",
-    "max_logprobs": f"most top alternatives per token (`logprobs` / `top_logprobs`; at most "
-    f"{MAX_LOGPROBS}, vLLM's default)",
+    "max_logprobs": f"most top alternatives per token (`logprobs` / `top_logprobs`), as vLLM's "
+    f"flag; at most {MAX_LOGPROBS}, what -1 (vLLM: no cap) means here",
     "max_stop_strings": "most `stop` strings per request (OpenAI allows 4)",
     "max_stop_string_length": "longest `stop` string, in characters",
     "max_stop_token_ids": "most `stop_token_ids` per request",
@@ -38,6 +38,8 @@ class RequestLimits:
     max_messages: int = 1024
 
     def __post_init__(self) -> None:
+        if self.max_logprobs == -1:  # vLLM's "no cap": the most the engine returns
+            object.__setattr__(self, "max_logprobs", MAX_LOGPROBS)
         for f in fields(self):
             value, lowest = getattr(self, f.name), 1 if f.name in ("max_n", "max_messages") else 0
             if not isinstance(value, int) or value < lowest:

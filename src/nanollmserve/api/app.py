@@ -2,7 +2,8 @@
 
 It wires the routes (`routes.py`) to a ServerContext, registers the Prometheus metrics
 (`app.state.metrics`, an engine observer served at /metrics), installs the OpenAI-shaped
-error handlers, the body-size cap and (with an API key) authentication, and documents 400
+error handlers, the body-size cap, (with an API key) authentication, (with allowed origins)
+CORS and (with `log_requests`) the request log, and documents 400
 instead of FastAPI's 422 in /openapi.json, because validation errors answer 400 here.
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.middleware.cors import CORSMiddleware
 
 from nanollmserve import __version__
 from nanollmserve.api.auth import OPEN_PATHS, APIKeyMiddleware
 from nanollmserve.api.body_limit import BodySizeLimitMiddleware
 from nanollmserve.api.errors import install_error_handlers
+from nanollmserve.api.request_log import RequestLogger
 from nanollmserve.api.routes import router
 from nanollmserve.api.serving import ServerContext, ServerSettings
 from nanollmserve.frontend.async_engine import AsyncEngine
@@ -35,6 +38,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         app.state.ctx.model_name, lambda: engine.stats().engine, engine.max_model_len
     )
     engine.add_observer(app.state.metrics)
+    if settings.log_requests:
+        engine.add_observer(RequestLogger(settings.log_prompts))
     app.include_router(router)
     install_error_handlers(app)
     # Outermost last: auth runs before the body is read, then the size cap.
@@ -42,6 +47,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     if settings.api_key:
         open_paths = OPEN_PATHS if settings.metrics_require_auth else OPEN_PATHS | {"/metrics"}
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    if settings.allowed_origins:  # outermost: a preflight carries no key and needs no body
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+        )
     app.openapi = lambda: _openapi(app)
     return app
 

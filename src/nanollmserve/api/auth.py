@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 
+from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanollmserve.api.errors import error_response
@@ -22,7 +23,8 @@ class APIKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        # The path under --root-path: uvicorn puts the prefix in front of scope["path"].
+        if scope["type"] != "http" or get_route_path(scope) in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = b""

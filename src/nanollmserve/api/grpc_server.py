@@ -235,14 +235,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
 
-def bind_grpc_server(host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def bind_grpc_server(
+    host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, int]:
     """A gRPC server bound to host:port (0: any free port), not started yet: binding before
-    the model loads makes a busy port fail at once. Returns (server, bound port)."""
+    the model loads makes a busy port fail at once. With `credentials` (TLS, see
+    `grpc.ssl_server_credentials`) the port is a secure one. Returns (server, bound port)."""
     # so_reuseport off: a port another process holds fails here instead of being shared.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise UserError(f"cannot listen for gRPC on {address}: {exc}") from None
     return server, bound

@@ -1,7 +1,8 @@
 """The HTTP routes. Each one only dispatches: protocol model in, serving function, JSON or
 SSE out. The ServerContext (engine + settings) comes from `app.state`. Routes that take
 messages check their count against `--max-messages` here; the sampling limits are checked
-by `ServerContext.make_params`.
+by `ServerContext.make_params`. Every `/v1/...` route also answers without the prefix
+(`/chat/completions`, `/models`, ...): an alias left out of /openapi.json.
 """
 
 from __future__ import annotations
@@ -187,3 +188,16 @@ async def generate(body: simple_api.GenerateRequest, request: Request, ctx: Ctx)
 @router.post("/batch_generate", response_model=simple_api.BatchGenerateResponse, tags=["simple"])
 async def batch_generate(body: simple_api.BatchGenerateRequest, request: Request, ctx: Ctx):
     return await simple_api.batch_generate(body, request, ctx)
+
+
+# Aliases without the /v1 prefix, for clients whose base URL lacks it (llama.cpp's server
+# takes both): the same handlers (so the same auth and limits), kept out of the schema.
+for _route in list(router.routes):
+    if _route.path.startswith("/v1/"):
+        router.add_api_route(
+            _route.path.removeprefix("/v1"),
+            _route.endpoint,
+            methods=sorted(_route.methods),
+            response_model=_route.response_model,
+            include_in_schema=False,
+        )

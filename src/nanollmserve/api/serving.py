@@ -5,6 +5,7 @@ disconnect (on top of `generation.py`, which the gRPC service shares), and usage
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +14,8 @@ from fastapi import Request
 
 from nanollmserve.api.errors import bad_request, from_param_error, not_found
 from nanollmserve.api.generation import StreamTotals, admit, collect_final
-from nanollmserve.api.protocol import UsageInfo
+from nanollmserve.api.protocol import SamplingExtensions, UsageInfo
+from nanollmserve.api.protocol_responses import ResponsesRequest
 from nanollmserve.api.response_store import ResponseStore
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import AsyncEngine, OutputKind, RequestStream
@@ -39,6 +41,18 @@ class ServerSettings:
     """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Bounds on one request (`n`, logprobs, stop strings, logit_bias, messages); 400 beyond."""
+    generation_defaults: dict = field(default_factory=dict)
+    """Sampling defaults (`--generation-config`: temperature, top_p, ...) for the OpenAI
+    requests (completions, chat, responses) that leave the field unset."""
+    log_requests: bool = False
+    """Log one line per ended request (`nanollmserve serve` turns it on)."""
+    log_prompts: bool = False
+    """Put the prompt text in that line too."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS: origins browsers may call from (empty: CORS off, same-origin only; `*`: any)."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 class ServerContext:
@@ -65,9 +79,14 @@ class ServerContext:
     def make_params(self, to_params: Callable[[], SamplingParams], aliases=None) -> SamplingParams:
         """The request's SamplingParams, within the server's limits. A bad value is a 400
         whose `param` is the field under the endpoint's name for it (`aliases` maps
-        SamplingParams fields to those names); any other error propagates (a 500)."""
+        SamplingParams fields to those names); any other error propagates (a 500).
+        `to_params` is the request's bound `to_sampling_params`: the fields an OpenAI request
+        leaves unset (absent or null) get the server's `generation_defaults`."""
         try:
             params = to_params()
+            defaults = self._unset_defaults(getattr(to_params, "__self__", None))
+            if defaults:
+                params = dataclasses.replace(params, **defaults)
             self.settings.limits.check_params(params)
         except ParamError as exc:
             raise from_param_error(exc, aliases) from None
@@ -78,6 +97,18 @@ class ServerContext:
                 "n",
             )
         return params
+
+    def _unset_defaults(self, body) -> dict:
+        if not self.settings.generation_defaults or not isinstance(
+            body, SamplingExtensions | ResponsesRequest
+        ):
+            return {}  # the simple API (/generate) keeps its own documented defaults
+        return {
+            name: value
+            for name, value in self.settings.generation_defaults.items()
+            if name in type(body).model_fields
+            and (name not in body.model_fields_set or getattr(body, name) is None)
+        }
 
     async def add_requests(
         self,

@@ -6,6 +6,11 @@ then serves with uvicorn and logs one line when ready: URL, model, device, dtype
 and time to ready. SIGINT / SIGTERM shut down gracefully: new requests get 503 (gRPC:
 UNAVAILABLE), running ones get `--shutdown-timeout` seconds to finish, the rest are aborted,
 and the process exits 0. `--log-stats-interval S` logs the engine's load every S seconds.
+
+The flags follow `vllm serve` (names and meanings; docs/cli.md) and every one can come from
+the environment as `NANOLLMSERVE_<FLAG>` (flag > environment > default; `env_defaults.py`).
+Bad values (a flag's or a variable's) fail as one line with exit status 2 before the model
+loads.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
-import os
 import signal
 import socket
+import ssl
 import time
 
+from nanollmserve.cli.env_defaults import apply_env_defaults
 from nanollmserve.config import add_engine_args, engine_config_from_args
 from nanollmserve.errors import UserError
 from nanollmserve.request_limits import add_limit_args, limits_from_args
@@ -48,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        default=None,
         help=f"require 'Authorization: Bearer KEY' on every route but /health "
         f"(default: ${API_KEY_ENV}; prefer the variable, command lines are visible)",
     )
@@ -90,12 +97,92 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="(default %(default)s)",
     )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level of uvicorn (default: --log-level)",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        dest="enable_log_requests",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log one line per finished request: id, prompt/cached/generated tokens, TTFT, "
+        "E2E, finish reason, status (default: on)",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help="same as --no-enable-log-requests",
+    )
+    group.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="put the prompt text in the request log line (default: never logged)",
+    )
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|PATH",
+        help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for "
+        "requests that leave them unset: auto: the model's generation_config.json; vllm: "
+        "the built-in ones; PATH: a folder with a generation_config.json (default %(default)s)",
+    )
+    group.add_argument(
+        "--root-path", default="", help="path prefix a proxy serves this server under"
+    )
+    tls = parser.add_argument_group("TLS (HTTPS; the gRPC port takes the same certificate)")
+    tls.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="private key (PEM)")
+    tls.add_argument("--ssl-certfile", default=None, metavar="FILE", help="certificate (PEM)")
+    tls.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="CA certificates to verify client certificates with",
+    )
+    tls.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
+        help="client certificates: 0 none, 1 optional, 2 required (default %(default)s)",
+    )
+    cors = parser.add_argument_group("CORS (off unless --allowed-origins; then preflights work)")
+    cors.add_argument(
+        "--allowed-origins",
+        default="[]",
+        metavar="JSON",
+        help="origins browsers may call from, a JSON list: '[\"https://app.example\"]' "
+        "(default %(default)s: CORS off, same-origin only)",
+    )
+    cors.add_argument(
+        "--allowed-methods",
+        default='["*"]',
+        metavar="JSON",
+        help="methods allowed cross-origin, a JSON list (default %(default)s)",
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        default='["*"]',
+        metavar="JSON",
+        help="request headers allowed cross-origin, a JSON list (default %(default)s)",
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow cookies / credentials cross-origin (default: off)",
+    )
     add_limit_args(parser)
-    parser.set_defaults(func=run)
+    env_sources, env_errors = apply_env_defaults(parser)
+    parser.set_defaults(func=run, env_sources=env_sources, env_errors=env_errors)
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.env_errors:
+        raise UserError(args.env_errors[0])
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -110,7 +197,15 @@ def run(args: argparse.Namespace) -> int:
     if args.log_stats_interval < 0:
         raise UserError(f"--log-stats-interval must be >= 0, got {args.log_stats_interval}")
     limits_from_args(args)  # a bad limit fails before the model loads
+    if args.model_pos and "model" in args.env_sources:
+        args.model = None  # the positional MODEL beats NANOLLMSERVE_MODEL, as a flag would
     config = engine_config_from_args(args)
+    args.cors = {name: _json_list(args, name) for name in CORS_FLAGS}
+    _check_tls(args)
+    if args.generation_config not in ("auto", "vllm"):
+        from nanollmserve.generation_config import load_generation_defaults
+
+        load_generation_defaults(args.generation_config)  # a bad PATH fails here
     chat_template = load_chat_template(args.chat_template)
     sock = _bind(args.host, args.port)
     try:
@@ -124,25 +219,42 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
 
     from nanollmserve.api import ServerSettings, create_app
     from nanollmserve.frontend.async_engine import AsyncEngine
+    from nanollmserve.generation_config import describe, load_generation_defaults
     from nanollmserve.metrics import StatsLogger
 
     grpc_server = grpc_port = None
     if args.grpc_port is not None:
         from nanollmserve.api.grpc_server import bind_grpc_server, serve_grpc
 
-        grpc_server, grpc_port = bind_grpc_server(args.host, args.grpc_port)
+        grpc_server, grpc_port = bind_grpc_server(
+            args.host, args.grpc_port, credentials=_grpc_credentials(args)
+        )
     engine = await asyncio.to_thread(
         AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
+    )
+    generation_defaults = load_generation_defaults(args.generation_config, engine.info.model_dir)
+    logger.info(
+        "generation defaults (--generation-config %s): %s",
+        args.generation_config,
+        describe(generation_defaults),
     )
     settings = ServerSettings(
         served_model_names=args.served_model_name or [],
         api_key=args.api_key,
         metrics_require_auth=args.metrics_require_auth,
         limits=limits_from_args(args),
+        generation_defaults=generation_defaults,
+        log_requests=args.enable_log_requests,
+        log_prompts=args.log_prompts,
+        allowed_origins=args.cors["allowed_origins"],
+        allowed_methods=args.cors["allowed_methods"],
+        allowed_headers=args.cors["allowed_headers"],
+        allow_credentials=args.allow_credentials,
     )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
-    url = f"http://{_url_host(host)}:{port}"
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{_url_host(host)}:{port}{args.root_path}"
     if grpc_server is not None:
         await serve_grpc(
             grpc_server, engine, model_name=app.state.ctx.model_name, api_key=args.api_key
@@ -165,7 +277,12 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
 
     uvicorn_config = uvicorn.Config(
         app,
-        log_level=args.log_level,
+        log_level=args.uvicorn_log_level or args.log_level,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
         # A backstop: the engine ends what is still running at --shutdown-timeout itself,
         # so responses end cleanly (an error event, a 503) before uvicorn cancels anything.
         timeout_graceful_shutdown=int(args.shutdown_timeout) + 10,
@@ -233,6 +350,60 @@ def _make_server(config, engine, ready_line, shutdown_timeout: float):
                     signal.signal(sig, handler)
 
     return Server(config)
+
+
+CORS_FLAGS = ("allowed_origins", "allowed_methods", "allowed_headers")
+
+
+def _json_list(args: argparse.Namespace, name: str) -> list[str]:
+    raw = getattr(args, name)
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise UserError(f"--{name.replace('_', '-')} must be a JSON list: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise UserError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {raw}")
+    return value
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """Load the key, certificate and CA files once now, so a bad one fails before the model
+    loads (uvicorn loads them again when it starts)."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise UserError("give --ssl-keyfile and --ssl-certfile together")
+    if args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None:
+            raise UserError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        files = f"{args.ssl_certfile}, {args.ssl_keyfile}"
+        if args.ssl_ca_certs is not None:
+            files += f", {args.ssl_ca_certs}"
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UserError(f"cannot load the TLS files ({files}): {reason}") from None
+
+
+def _grpc_credentials(args: argparse.Namespace):
+    """The gRPC port's TLS credentials (the HTTP certificate), None without TLS."""
+    if args.ssl_certfile is None:
+        return None
+    import grpc
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(args.ssl_ca_certs) if args.ssl_ca_certs else None
+    return grpc.ssl_server_credentials(
+        [(read(args.ssl_keyfile), read(args.ssl_certfile))],
+        root_certificates=ca,
+        require_client_auth=ca is not None and args.ssl_cert_reqs == ssl.CERT_REQUIRED,
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

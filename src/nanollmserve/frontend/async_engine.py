@@ -84,6 +84,8 @@ class EngineInfo:
     device: str
     dtype: str
     quantization: str | None
+    model_dir: str = ""
+    """The HF directory the weights come from (generation_config.json, ...)."""
 
 
 class RequestStream:
@@ -168,6 +170,7 @@ class AsyncEngine:
             device=str(core.device),
             dtype=str(core.dtype).removeprefix("torch."),
             quantization=config.quantization,
+            model_dir=str(core.loaded.model_dir),
         )
         self.tokenizer = self.engine_loop.tokenizer
         self.chat_template = chat_template

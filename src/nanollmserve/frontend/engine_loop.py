@@ -172,7 +172,9 @@ class EngineLoop:
     def _build(self, build_engine: Callable[[], EngineCore]) -> bool:
         try:
             self.engine = build_engine()
-            self.tokenizer = load_tokenizer(self.engine.loaded.model_dir)
+            self.tokenizer = load_tokenizer(
+                self.engine.config.tokenizer or self.engine.loaded.model_dir
+            )
             self.driver = EngineDriver(self.engine, self.tokenizer)
             self._stats = self._make_stats(self.engine.stats())
         except BaseException as exc:
