@@ -3,7 +3,9 @@
     python scripts/bench_summary.py docs/assets/bench > summary.md
 
 Each table matches a results table of docs/benchmarks.md; a benchmark whose JSON is missing
-(not run, or failed) is skipped.
+(not run, or failed) is skipped. `*-llamacpp-*` files are llama.cpp's native llama-server;
+`*-llamacpp-python-*` files are llama-cpp-python's server (one request at a time), labelled
+as such.
 """
 
 from __future__ import annotations
@@ -23,6 +25,23 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     lines.append("| " + " | ".join("---" for _ in header) + " |")
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+NATIVE = "llama.cpp llama-server"
+PYTHON = "llama-cpp-python server (one request at a time)"
+
+
+def label_of(name: str, r: dict) -> str:
+    """The row label of a serve JSON: ours / ours-int8 from the file name; a llama.cpp row
+    by the `peer` block scripts/bench-all adds. A llamacpp file without one was measured
+    against llama-cpp-python's server, before the native peer existed."""
+    stem = name.removeprefix("serve-").rsplit("-c", 1)[0]
+    if "llamacpp" not in stem:
+        return stem
+    server = (r.get("peer") or {}).get("server", "")
+    if server.startswith("llama.cpp"):
+        return NATIVE
+    return PYTHON if server else f"{PYTHON}, recorded before the native peer"
 
 
 def serve_row(label: str, r: dict) -> list:
@@ -57,7 +76,8 @@ def peer_ratios(out: Path) -> str:
             if not peer:
                 continue
             lines.append(
-                f"- {label}, concurrency {level}: output tok/s {label} / llama.cpp = "
+                f"- {label}, concurrency {level}: output tok/s {label} / "
+                f"{label_of('serve-llamacpp', peer)} = "
                 f"{ours['output_throughput'] / peer['output_throughput']:.2f}"
             )
             if level == "1" and ours["tpot_ms"]["p50"] and peer["tpot_ms"]["p50"]:
@@ -122,32 +142,46 @@ def main(out: Path) -> None:
         rows = [serve_row(name, r[name]) for name in ("openai", "grpc")]
         ratios = ", ".join(f"{k} {v}" for k, v in (r.get("ratios") or {}).items())
         parts.append(table("serve: HTTP vs gRPC", SERVE_HEADER, rows) + f"\n{ratios}\n")
-    peer_rows = []
-    for name in sorted(p.stem for p in out.glob("serve-*-c*.json")):
-        if (r := load(out, name)) and not name.startswith("serve-sweep"):
-            peer_rows.append(serve_row(name.removeprefix("serve-"), r))
+    names = [p.stem for p in out.glob("serve-*-c*.json") if not p.stem.startswith("serve-sweep")]
+    rows_by_name = {name: load(out, name) for name in names}
+    labelled = sorted(
+        ((label_of(name, r), int(name.rsplit("-c", 1)[1]), r) for name, r in rows_by_name.items()),
+        key=lambda row: row[:2],
+    )
+    peer_rows = [serve_row(label, r) for label, _, r in labelled]
     if peer_rows:
         parts.append(table("peer: llama.cpp vs ours", SERVE_HEADER, peer_rows))
         parts.append(peer_ratios(out))
-    if r := load(out, "mini-vllm"):
+    rows = []
+    for name in ("mini-vllm", "mini-vllm-llamacpp"):
+        if r := load(out, name):
+            label = "ours" if name == "mini-vllm" else label_of(name, r)
+            rows.append(
+                [
+                    label, r["model"], r["num_prompts"], r["max_concurrency"],
+                    f"{r['completed']}/{r['failed']}", r["request_throughput"],
+                    r["output_throughput"], r["ttft_ms"]["p50"], r["e2el_ms"]["p50"],
+                ]
+            )  # fmt: skip
+    if rows:
         header = ["run", "model", "requests", "concurrency", "done/failed", "req/s",
                   "output tok/s", "TTFT p50 ms", "E2E p50 ms"]  # fmt: skip
-        rows = [
-            [
-                "ours", r["model"], r["num_prompts"], r["max_concurrency"],
-                f"{r['completed']}/{r['failed']}", r["request_throughput"],
-                r["output_throughput"], r["ttft_ms"]["p50"], r["e2el_ms"]["p50"],
-            ],
+        rows.append(
             ["Mini-vLLM write-up (CPU)", "not named", 500, 50, "500/0", 1308, "39,239",
-             "p50 16.5 ms (metric not named)", ""],
-        ]  # fmt: skip
+             "p50 16.5 ms (metric not named)", ""]
+        )  # fmt: skip
         parts.append(table("mini-vllm preset", header, rows))
     rows = []
-    for name in ("prefix", "prefix-llamacpp"):
+    prefix_runs = (
+        ("prefix", "ours, offline engine (no HTTP; compare with nothing)"),
+        ("prefix-ours", "ours, server over HTTP"),
+        ("prefix-llamacpp", ""),
+    )
+    for name, label in prefix_runs:
         if r := load(out, name):
             rows.append(
                 [
-                    name,
+                    label or f"{label_of(name, r)} over HTTP",
                     r["cold_ttft_ms"]["p50"],
                     r["cold_ttft_ms"]["p95"],
                     r["warm_ttft_ms"]["p50"],

@@ -4,6 +4,11 @@ Side by side in one run, on the same weights, dtype and prompt: the engine, HF t
 `generate` with its KV cache, and the naive loop that recomputes the whole sequence for every
 token (no cache). Each is repeated and the median reported. With `--quantization`, HF runs the
 float weights in the dtype the engine computes in (float32 for `fp16`); the JSON names both.
+
+TTFT is cold for every system: each repeat gets a fresh random prompt (the same prompts for
+every system), so the engine's prefix cache never serves a timed prompt (the JSON records
+the cached prompt tokens: 0). Every system first runs the same untimed warm-up request (a
+prompt no timed run uses, the full output length), HF baselines included.
 """
 
 from __future__ import annotations
@@ -48,37 +53,48 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(**vars(engine_config_from_args(args)))
     engine = llm.engine
-    request = random_requests(
-        1, (args.input_len,) * 2, (args.output_len,) * 2, engine.model_config.vocab_size, seed=0
-    )[0]
+    # Prompt 0 is the warm-up; 1..repeat are timed, one fresh prompt per repeat (cold TTFT).
+    warmup, *prompts = [
+        r.prompt_token_ids
+        for r in random_requests(
+            args.repeat + 1,
+            (args.input_len,) * 2,
+            (args.output_len,) * 2,
+            engine.model_config.vocab_size,
+            seed=0,
+        )
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    cached_tokens: list[int] = []
 
-    def engine_times() -> list[float]:
-        out = llm.generate([request.prompt_token_ids], params, use_tqdm=False)[0]
+    def engine_times(prompt: list[int]) -> list[float]:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
         m = out.metrics
+        cached_tokens.append(m.num_cached_tokens)
         # TTFT and the last token's time; intermediate tokens are evenly spaced by TPOT.
         ttft = m.first_token_time - m.arrival_time
         last = m.last_token_time - m.arrival_time
         n = len(out.outputs[0].token_ids)
         return [ttft + (last - ttft) * i / (n - 1) for i in range(n)]
 
-    log("engine: warmup")
-    engine_times()
-    systems = {"engine": [engine_times() for _ in range(args.repeat)]}
+    def measure(name: str, times_of) -> list[list[float]]:
+        log(f"{name}: warm-up, then {args.repeat} timed run(s)")
+        times_of(warmup)  # the same untimed warm-up request for every system
+        return [times_of(prompt) for prompt in prompts]
+
+    systems = {"engine": measure("engine", engine_times)}
+    engine_cached = cached_tokens[1:]  # the timed runs only
     if not args.no_baselines:
         hf = hf_baselines.load_hf_model(engine.loaded.model_dir, engine.dtype)
-        log("hf generate with cache")
-        hf_baselines.generate_with_cache(hf, request.prompt_token_ids, 4)  # warmup
-        systems["hf_generate_kv_cache"] = [
-            hf_baselines.generate_with_cache(hf, request.prompt_token_ids, args.output_len)[1]
-            for _ in range(args.repeat)
-        ]
+        systems["hf_generate_kv_cache"] = measure(
+            "hf generate with cache",
+            lambda p: hf_baselines.generate_with_cache(hf, p, args.output_len)[1],
+        )
         if not args.no_naive:
-            log("hf naive loop without cache")
-            systems["hf_naive_no_cache"] = [
-                hf_baselines.naive_loop(hf, request.prompt_token_ids, args.output_len)[1]
-                for _ in range(args.repeat)
-            ]
+            systems["hf_naive_no_cache"] = measure(
+                "hf naive loop without cache",
+                lambda p: hf_baselines.naive_loop(hf, p, args.output_len)[1],
+            )
     results = {name: summarize(times, args.output_len) for name, times in systems.items()}
     ratios = {}
     for name in ("hf_generate_kv_cache", "hf_naive_no_cache"):
@@ -99,6 +115,14 @@ def run(args: argparse.Namespace) -> int:
             "input_len": args.input_len,
             "output_len": args.output_len,
             "repeat": args.repeat,
+            "ttft": "cold: a fresh prompt per repeat, none seen before by any system",
+            "engine_cached_prompt_tokens": engine_cached,
+            "warmup": {
+                "requests_per_system": 1,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "note": "untimed, the same prompt for every system, HF baselines included",
+            },
             "results": results,
             "ratios": ratios,
         },

@@ -7,9 +7,13 @@ question; they run one at a time, so TTFT is prefill time alone (no queueing):
 Reported: TTFT mean / p50 / p95 each way, warm/cold p50 ratio (target <= 0.2), the hit rate
 over the warm requests (cached prompt tokens / prompt tokens) and the cached tokens each.
 
-By default the offline engine runs it (engine flags apply, e.g. `--block-size`); with
-`--base-url` the same prompts go as text to a server's `/v1/completions` (streaming), and
-the hit rate is read from its `/stats` when it has one (nanollmserve).
+Compare like with like. By default the offline engine runs it (engine flags apply, e.g.
+`--block-size`): TTFT is engine time alone, with no HTTP, tokenization or server in it, so
+it compares with nothing but itself (cold vs warm). Over HTTP, the same prompts go as text to
+a server's `/v1/completions` (streaming): `--serve` starts our server (`--server-args` adds
+serve flags), `--base-url` measures a running one (e.g. llama.cpp's llama-server); those two
+compare with each other. The hit rate is read from the server's `/stats` when it has one
+(nanollmserve); other servers report none.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import statistics
 
 from nanollmserve.bench.report import add_common_args, emit, log, percentile, ratio
@@ -32,7 +37,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-len", type=int, default=4)
     parser.add_argument("--num-requests", type=int, default=8, help="per phase (cold, warm)")
     parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--base-url", default=None, help="measure this server instead")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--base-url", default=None, help="measure this server over HTTP")
+    target.add_argument(
+        "--serve", action="store_true", help="start our server and measure it over HTTP"
+    )
+    parser.add_argument(
+        "--server-args", default="", help="extra `nanollmserve serve` flags (with --serve)"
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     add_common_args(parser)
@@ -86,6 +98,7 @@ def run_offline(args, config) -> dict:
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     return {
         "mode": "offline engine",
+        "compare_with": "itself only (engine time, no HTTP); servers: --serve / --base-url",
         "model": engine.loaded.source.name,
         "dtype": dtype_name(engine.dtype),
         "block_size": config.block_size,
@@ -98,12 +111,12 @@ def run_offline(args, config) -> dict:
     }
 
 
-async def run_server(args, words) -> dict:
+async def run_server(args, words, base_url: str) -> dict:
     from nanollmserve.bench.serve_client import OpenAIBackend
     from nanollmserve.bench.serve_workloads import ServeRequest
 
     cold, prime, warm = make_prompts(words, args)
-    backend = OpenAIBackend(args.base_url, "completions", args.api_key)
+    backend = OpenAIBackend(base_url, "completions", args.api_key)
     backend.extra_body = {"temperature": 0.0}
     try:
         backend.model = await backend.fetch_model()
@@ -128,8 +141,9 @@ async def run_server(args, words) -> dict:
     finally:
         await backend.close()
     result = {
-        "mode": "server",
-        "base_url": args.base_url,
+        "mode": "server over HTTP",
+        "compare_with": "other servers over HTTP (--serve for ours, --base-url for a peer)",
+        "base_url": args.base_url or "own server",
         "model": backend.model,
         "cold_ttft_s": [r.ttft for r in cold_r],
         "warm_ttft_s": [r.ttft for r in warm_r],
@@ -150,13 +164,25 @@ def run(args: argparse.Namespace) -> int:
 
         raise UserError("--prefix-len, --suffix-len, --output-len, --num-requests must be >= 1")
     config = engine_config_from_args(args)
-    if args.base_url:
+    if args.server_args and not args.serve:
+        from nanollmserve.errors import UserError
+
+        raise UserError("--server-args needs --serve")
+    if args.base_url or args.serve:
         from nanollmserve.bench.serve_workloads import WordTokens
         from nanollmserve.frontend.tokenizer import load_tokenizer
         from nanollmserve.model.source import resolve_model
 
         words = WordTokens(load_tokenizer(resolve_model(config.model).path))
-        raw = asyncio.run(run_server(args, words))
+        if args.base_url:
+            raw = asyncio.run(run_server(args, words, args.base_url))
+        else:
+            from nanollmserve.bench.server_process import OwnServer
+
+            serve_args = shlex.split(args.server_args)
+            with OwnServer(serve_args) as server:
+                raw = asyncio.run(run_server(args, words, server.url))
+            raw["server_args"] = " ".join(serve_args)
     else:
         raw = run_offline(args, config)
     cold, warm = _dist(raw.pop("cold_ttft_s")), _dist(raw.pop("warm_ttft_s"))
