@@ -17,6 +17,7 @@ from nanollmserve import __version__
 from nanollmserve.api.auth import OPEN_PATHS, APIKeyMiddleware
 from nanollmserve.api.body_limit import BodySizeLimitMiddleware
 from nanollmserve.api.errors import install_error_handlers
+from nanollmserve.api.playground import router as playground_router
 from nanollmserve.api.request_log import RequestLogger
 from nanollmserve.api.routes import router
 from nanollmserve.api.serving import ServerContext, ServerSettings
@@ -41,6 +42,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     if settings.log_requests:
         engine.add_observer(RequestLogger(settings.log_prompts))
     app.include_router(router)
+    app.include_router(playground_router)
     install_error_handlers(app)
     # Outermost last: auth runs before the body is read, then the size cap.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)

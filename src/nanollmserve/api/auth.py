@@ -1,7 +1,8 @@
 """API-key authentication: with `--api-key` (or NANOLLMSERVE_API_KEY) set, every route except
-/health needs `Authorization: Bearer <key>`; anything else answers 401 in the OpenAI error
-shape. The key is compared in constant time and never logged. `open_paths` widens the
-exceptions (the app adds /metrics unless `--metrics-require-auth`).
+/health and the playground page (`/`, `/static/app.js`, `/static/app.css`: it holds no data)
+needs `Authorization: Bearer <key>`; anything else answers 401 in the OpenAI error shape.
+The key is compared in constant time and never logged. `open_paths` widens the exceptions
+(the app adds /metrics unless `--metrics-require-auth`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanollmserve.api.errors import error_response
+from nanollmserve.api.playground import PLAYGROUND_PATHS
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | PLAYGROUND_PATHS
 
 
 class APIKeyMiddleware:
