@@ -101,6 +101,28 @@ def test_stop_string_truncates_across_token_boundaries(llm):
     assert llm.generate(PROMPT, kept)[0].outputs[0].text == expected + stop
 
 
+def test_min_tokens_holds_back_stop_strings(llm):
+    base = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]
+    early = llm.tokenizer.decode(base.token_ids[:3])
+    stop = early.strip()[-3:] or early[-3:]  # text of the first tokens
+    assert base.text.index(stop) < len(early)
+    stopped = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]))[
+        0
+    ].outputs[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 3
+    held = llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], min_tokens=10)
+    )[0].outputs[0]
+    assert len(held.token_ids) >= 10
+    assert held.token_ids == base.token_ids[: len(held.token_ids)]
+    # Once past min_tokens the stop string counts again, like vLLM: only later occurrences.
+    later = base.text.find(stop, len(llm.tokenizer.decode(base.token_ids[:10])))
+    if later == -1:
+        assert held.finish_reason == "length" and held.text == base.text
+    else:
+        assert held.finish_reason == "stop" and held.text == base.text[:later]
+
+
 def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     base = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0]
     stop_token = base.token_ids[4]
