@@ -96,7 +96,6 @@ def test_32_concurrent_chats_are_batched(server):
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
     assert all(r.usage.completion_tokens >= 1 for r in results)
     stats = server.wait_idle()
-    assert stats["peak_running_requests"] > 1
     # Batched: far fewer engine steps than tokens (one request at a time needs one each).
     num_steps = stats["num_steps"] - before["num_steps"]
     num_tokens = sum(r.usage.completion_tokens for r in results)
