@@ -56,6 +56,8 @@ def chat_prompt_token_ids(
 ) -> list[int]:
     """Render the conversation with the chat template (plus the assistant prefix) and
     tokenize it; the template already writes the special tokens it needs."""
+    if not messages:
+        raise ParamError("messages must hold at least one message", "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ParamError("this model has no chat template; pass --chat-template FILE", "messages")
     text = tokenizer.apply_chat_template(
