@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from apt_binary import apt_binary
 from live_server import LiveServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.milestone("m20")]
@@ -43,26 +43,6 @@ CHROMIUM_ARGS = [
 ]
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
-
-
-def chromium_binary() -> str:
-    for path in (shutil.which("chromium"), "/usr/bin/chromium"):
-        if path and os.path.exists(path):
-            return path
-    if shutil.which("apt-get") is None:
-        pytest.skip("chromium is not installed and apt-get is not available to install it")
-    if os.geteuid() != 0:
-        pytest.skip("chromium is not installed; installing it with apt-get needs root")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        result = subprocess.run(install, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"apt-get could not install chromium: {result.stderr[-500:]}")
-    if not os.path.exists("/usr/bin/chromium"):
-        pytest.skip("apt-get installed chromium but there is no /usr/bin/chromium")
-    return "/usr/bin/chromium"
 
 
 def sync_playwright():
@@ -86,7 +66,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def browser():
-    executable = chromium_binary()
+    executable = apt_binary("chromium", "chromium")
     with sync_playwright()() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         yield browser

@@ -8,41 +8,17 @@ loopback with a temporary config (1 s scrape interval) and storage, and is stopp
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
 
 import httpx
 import pytest
+from apt_binary import apt_binary
 from live_server import LiveServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.milestone("m10")]
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        pytest.skip("prometheus is not installed and apt-get is not available to install it")
-    if os.geteuid() != 0:
-        pytest.skip("prometheus is not installed; installing it with apt-get needs root")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        result = subprocess.run(install, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"apt-get could not install prometheus: {result.stderr[-500:]}")
-    found = shutil.which("prometheus") or (
-        "/usr/bin/prometheus" if os.path.exists("/usr/bin/prometheus") else None
-    )
-    if found is None:
-        pytest.skip("apt-get installed prometheus but no prometheus binary is on PATH")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +30,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
-    binary = prometheus_binary()
+    binary = apt_binary("prometheus", "prometheus")
     workdir = tmp_path_factory.mktemp("prometheus")
     config = workdir / "prometheus.yml"
     config.write_text(
