@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from nanollmserve.engine.engine_core import EngineCore, EngineStats
 from nanollmserve.engine.messages import EngineCoreRequest
-from nanollmserve.errors import ParamError
 from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.tokenizer import load_tokenizer
 from nanollmserve.outputs import OutputKind, RequestOutput
@@ -223,11 +222,7 @@ class EngineLoop:
 
     def _add(self, stream: RequestStream, children, prompt_text, token_ids, params, kind):
         request_id = stream.request_id
-        if request_id in self._streams:
-            error = ParamError(f"request id {request_id!r} is already running", "request_id")
-            self._end(stream, error)
-            return
-        try:
+        try:  # a ParamError too if the id is already running (the driver checks)
             self.driver.add_request(request_id, prompt_text, token_ids, children, params, kind)
         except ValueError as exc:
             self._end(stream, exc)
