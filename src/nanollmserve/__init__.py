@@ -9,6 +9,7 @@ The offline API:
 
 from nanollmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

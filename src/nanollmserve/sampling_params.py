@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanollmserve.errors import ParamError
+from nanollmserve.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -39,8 +40,13 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the logprob of each sampled token plus this many top alternatives (0..20)."""
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a dict of the
+    StructuredOutputsParams fields is accepted too)."""
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
