@@ -7,6 +7,7 @@ The offline API:
     outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
 """
 
+from nanollmserve.lora_request import LoRARequest
 from nanollmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.structured_outputs import StructuredOutputsParams
@@ -18,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "Logprob",
+    "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

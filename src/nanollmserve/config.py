@@ -47,9 +47,15 @@ class EngineConfig:
     quantization: str | None = None
     """CPU weight formats, faster at small batches, slower at large: int8 (weight-only int8)
     or fp16 (float16 weights, float32 math)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) on top of the base model."""
+    max_loras: int = 1
+    """Most LoRA adapters in one batch (preallocated slots)."""
+    max_lora_rank: int = 16
+    """Highest LoRA rank an adapter may have (the slots' size)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.quantization is not None:
@@ -73,6 +79,10 @@ class EngineConfig:
                 f"tokenizer must be a Hugging Face tokenizer directory (with "
                 f"tokenizer_config.json), got {self.tokenizer!r}"
             )
+        if self.max_lora_rank < 1:
+            raise UserError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.enable_lora and self.quantization is not None:
+            raise UserError("LoRA adapters with --quantization are not supported yet")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

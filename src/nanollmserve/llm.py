@@ -17,6 +17,7 @@ from nanollmserve.engine.engine_core import EngineCore
 from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.input_processor import InputProcessor
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids, load_tokenizer
+from nanollmserve.lora_request import LoRARequest
 from nanollmserve.outputs import OutputKind, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 
@@ -39,11 +40,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); one RequestOutput per prompt, in order."""
+        """Complete each prompt (text or token ids); one RequestOutput per prompt, in order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); an adapter is loaded the first time its name is seen (needs enable_lora)."""
         prompt_list = _as_prompt_list(prompts)
+        lora_names = self._lora_names(lora_request, len(prompt_list))
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        return self._run(tokenized, sampling_params, use_tqdm)
+        return self._run(tokenized, sampling_params, use_tqdm, lora_names)
 
     def chat(
         self,
@@ -60,13 +65,42 @@ class LLM:
         ]
         return self._run(tokenized, sampling_params, use_tqdm)
 
-    def _run(self, tokenized, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _lora_names(self, lora_request, count: int) -> list[str | None]:
+        """One adapter name (or None) per prompt; loads the adapters not loaded yet."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_requests = [lora_request] * count
+        else:
+            lora_requests = list(lora_request)
+            if len(lora_requests) != count:
+                raise ValueError(f"got {len(lora_requests)} LoRA requests for {count} prompts")
+        manager = self.engine.lora_manager
+        if manager is None and any(r is not None for r in lora_requests):
+            raise ValueError("lora_request needs LLM(enable_lora=True)")
+        for request in {r for r in lora_requests if r is not None}:
+            loaded = manager.adapters().get(request.lora_name)
+            if loaded is None:
+                manager.add_adapter(request.lora_name, request.lora_path)
+            elif loaded != str(request.lora_path):
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} is already loaded from {loaded}, "
+                    f"not {request.lora_path}"
+                )
+        return [None if r is None else r.lora_name for r in lora_requests]
+
+    def _run(
+        self, tokenized, sampling_params, use_tqdm: bool, lora_names=None
+    ) -> list[RequestOutput]:
         params_list = _as_params_list(sampling_params, len(tokenized))
+        lora_names = lora_names or [None] * len(tokenized)
         order: dict[str, int] = {}
         staged = []
-        for (prompt, token_ids), params in zip(tokenized, params_list, strict=True):
+        for (prompt, token_ids), params, lora_name in zip(
+            tokenized, params_list, lora_names, strict=True
+        ):
             request_id = str(next(self._request_counter))
-            children = self.input_processor.make_requests(request_id, token_ids, params)
+            children = self.input_processor.make_requests(
+                request_id, token_ids, params, lora_name=lora_name
+            )
             staged.append((request_id, prompt, token_ids, params, children))
         # Everything validated: now admit, so a bad prompt never leaves others half-run.
         try:

@@ -17,6 +17,7 @@ import torch
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.kv_budget import gpu_kv_cache_bytes
 from nanollmserve.engine.kv_cache import KVCacheManager
+from nanollmserve.engine.lora_manager import LoRAManager
 from nanollmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from nanollmserve.engine.model_loading import LoadedModel, load_engine_model
 from nanollmserve.engine.model_runner import ModelRunner
@@ -54,6 +55,11 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks(block_size)
         self.max_model_len = self._max_model_len(self.num_kv_blocks * block_size)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.lora_manager = (
+            LoRAManager(self.loaded.model, model_config, config.max_loras, config.max_lora_rank)
+            if config.enable_lora
+            else None
+        )
         self._make_scheduler()
         self.model_runner = ModelRunner(
             self.loaded.model,
@@ -82,7 +88,12 @@ class EngineCore:
         params = core_request.sampling_params
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.scheduler.add_request(Request(core_request, self.eos_token_ids, max_tokens))
+        request = Request(core_request, self.eos_token_ids, max_tokens)
+        if core_request.lora_name is not None:
+            if self.lora_manager is None:
+                raise ValueError("LoRA adapters are off: start the engine with enable_lora")
+            request.lora = self.lora_manager.get(core_request.lora_name)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish the requests now; every block they hold returns to the pool."""
@@ -100,6 +111,8 @@ class EngineCore:
         self.counters.record_schedule(scheduled)
         outputs: list[EngineCoreOutput] = []
         if not scheduled.is_empty:
+            if self.lora_manager is not None:
+                self.lora_manager.set_batch(scheduled.requests, scheduled.num_new_tokens)
             sampled = self.model_runner.execute_model(scheduled)
             outputs, step = self.scheduler.update_from_output(scheduled, sampled)
             self.counters.record_step(step)
@@ -128,6 +141,7 @@ class EngineCore:
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
 
     # -- sizing ---------------------------------------------------------------------------

@@ -217,9 +217,11 @@ class KVCacheManager:
         held.num_registered = num_full
 
     def _block_key(self, request: Request, index: int) -> tuple:
-        """(parent block's hash, this block's token ids): what the block's hash is made of."""
+        """(parent block's hash, this block's token ids): what the block's hash is made of.
+        The first block's parent is the request's LoRA adapter id (0: the base model), so a
+        block computed under one adapter is never found by another or by the base model."""
         start = index * self.block_size
-        parent = request.block_hashes[index - 1] if index else 0
+        parent = request.block_hashes[index - 1] if index else request.lora_id
         return parent, tuple(request.all_token_ids[start : start + self.block_size])
 
     def _extend_block_hashes(self, request: Request, num_blocks: int) -> None:

@@ -19,6 +19,8 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    lora_name: str | None = None
+    """The LoRA adapter to run with (None: the base model)."""
 
 
 @dataclass

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanollmserve.engine.messages import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from nanollmserve.engine.lora_adapter import LoRAAdapter
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +75,13 @@ class Request:
         self.last_token_time: float | None = None  # when its latest token was sampled
         # Set by the model runner on first use, on its device (seeded requests only).
         self.generator: torch.Generator | None = None
+        # The LoRA adapter it runs with (None: the base model), set by EngineCore.
+        self.lora: LoRAAdapter | None = None
+
+    @property
+    def lora_id(self) -> int:
+        """0 for the base model, else the adapter's unique id (it salts the prefix hashes)."""
+        return self.lora.uid if self.lora is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -61,8 +61,11 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_loras: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
+        self.max_loras = max_loras
+        """Most distinct LoRA adapters among the running requests (their slots)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -105,6 +108,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if not self._has_lora_slot(request):
+                break
             computed_blocks = self.kv_cache.get_computed_blocks(request)
             num_computed = len(computed_blocks) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_computed, budget)
@@ -130,6 +135,14 @@ class Scheduler:
         out.block_ids = [self.kv_cache.block_ids(r.request_id) for r in out.requests]
         out.num_decodes = sum(1 for n in out.num_new_tokens if n == 1)
         return out
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """A request with a LoRA adapter runs only while its adapter has a slot: it is
+        already running, or fewer than `max_loras` adapters are."""
+        if request.lora is None:
+            return True
+        running = {r.lora_id for r in self.running if r.lora is not None}
+        return request.lora_id in running or len(running) < self.max_loras
 
     def _allocate(
         self, out: SchedulerOutput, request: Request, num_new: int, computed_blocks=()

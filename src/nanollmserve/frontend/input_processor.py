@@ -42,12 +42,16 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> list[EngineCoreRequest]:
-        """One engine request per completion (`n`); child i of a seeded request uses seed + i."""
+        """One engine request per completion (`n`); child i of a seeded request uses seed + i.
+        `lora_name`: the LoRA adapter they all run with (None: the base model)."""
         self.validate(prompt_token_ids, params)
         arrival_time = arrival_time or time.time()
         if params.n == 1:
-            return [EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time)]
+            return [
+                EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, lora_name)
+            ]
         requests = []
         for i in range(params.n):
             child_params = dataclasses.replace(params, n=1)
@@ -55,7 +59,7 @@ class InputProcessor:
                 child_params.seed = params.seed + i
             requests.append(
                 EngineCoreRequest(
-                    child_id(request_id, i), prompt_token_ids, child_params, arrival_time
+                    child_id(request_id, i), prompt_token_ids, child_params, arrival_time, lora_name
                 )
             )
         return requests
