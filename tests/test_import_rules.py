@@ -24,6 +24,9 @@ FORBIDDEN = {
     "layers": ["engine", "api", "frontend", "metrics", "cli", "bench", "llm", "config"],
     # The API talks to the frontend's AsyncEngine only: no model code, no engine internals.
     "api": ["model", "layers", "engine", "cli", "bench", "llm"],
+    # The router is a small HTTP process: no engine, no torch (api/ and metrics/ load them).
+    "router": ["api", "frontend", "engine", "model", "layers", "metrics", "cli", "bench", "llm"],
+    "cluster": ["api", "frontend", "engine", "model", "layers", "metrics", "cli", "bench", "llm"],
 }
 
 

@@ -20,6 +20,8 @@ SUBCOMMAND_MODULES = [
     "nanollmserve.cli.bench",
     "nanollmserve.cli.serve",
     "nanollmserve.cli.profile",
+    "nanollmserve.cli.router",
+    "nanollmserve.cli.cluster",
 ]
 
 
@@ -37,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra_args = parser.parse_known_args(argv)
+    if extra_args and not getattr(args, "takes_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra_args)}")
+    args.extra_args = extra_args  # `cluster` passes them to its workers as serve flags
     if args.version:
         from nanollmserve import __version__
 

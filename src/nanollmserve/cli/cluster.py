@@ -1,0 +1,182 @@
+"""`nanollmserve cluster --workers N [serve flags...]`: N `serve` workers plus the router.
+
+Locally (the default) the workers are processes on ports `--base-port`, `--base-port`+1, ...
+of `--worker-host`, one GPU each where there are several, restarted with backoff when they
+die; with `--ray-address` they are Ray actors placed by Ray (`local`: a private Ray on this
+machine) and restarted by Ray. The router listens on `--host`:`--router-port` with the
+`router` command's flags. Every flag this command does not know is a `serve` flag, passed to
+each worker (checked before anything starts). Busy ports fail at once with one line.
+SIGINT / SIGTERM stop the router and every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+
+from nanollmserve.cli.router import add_router_args, router_settings, setup_logging
+from nanollmserve.errors import UserError
+
+MANAGED_SERVE_FLAGS = ("--host", "--port", "--api-key")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "cluster",
+        help="run N serve workers and a router (locally or on Ray)",
+        description="Run N `nanollmserve serve` workers and a router in front of them. "
+        "Flags not listed here are serve flags, given to every worker.",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="workers (default %(default)s)")
+    parser.add_argument(
+        "--base-port", type=int, default=8001, help="first worker's port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--router-port", type=int, default=8080, help="router's port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the router binds (default %(default)s)"
+    )
+    parser.add_argument(
+        "--worker-host",
+        default=None,
+        help="address the workers bind and the router calls (default: 127.0.0.1; with "
+        "--ray-address HOST:PORT or auto, each worker's node address)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="restarts of one worker before it is given up (default %(default)s: always)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds workers get to finish on SIGINT/SIGTERM (default %(default)s)",
+    )
+    ray_group = parser.add_argument_group("Ray (pip install 'nanollmserve[cluster]')")
+    ray_group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="auto|HOST:PORT|local",
+        help="run the workers as Ray actors on this Ray cluster (auto: the one `ray start` "
+        "made here; local: a private one on this machine) (default: local processes)",
+    )
+    ray_group.add_argument(
+        "--worker-num-cpus",
+        type=float,
+        default=1.0,
+        help="Ray CPUs each worker actor takes (default %(default)s)",
+    )
+    ray_group.add_argument(
+        "--worker-num-gpus",
+        type=float,
+        default=None,
+        help="Ray GPUs each worker actor takes (default: 1 where the cluster has GPUs, else 0)",
+    )
+    add_router_args(parser)
+    parser.set_defaults(func=run, takes_extra_args=True)
+
+
+def check_serve_args(serve_args: list[str]) -> None:
+    """The workers' flags must be valid `serve` flags; the cluster sets the managed ones."""
+    from nanollmserve.cli import serve
+
+    for arg in serve_args:
+        name = arg.split("=", 1)[0]
+        if name in MANAGED_SERVE_FLAGS:
+            raise UserError(
+                f"{name} is set by the cluster (--host/--router-port for the router, "
+                "--worker-host/--base-port for the workers, --api-key for both)"
+            )
+    parser = argparse.ArgumentParser(prog="nanollmserve cluster")
+    serve.register(parser.add_subparsers())
+    namespace = parser.parse_args(["serve", *serve_args])  # exits 2 with argparse's line
+    if namespace.env_errors:
+        raise UserError(namespace.env_errors[0])
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port} ({what}): {exc.strerror}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanollmserve.cli.serve import _bind
+
+    setup_logging(args.log_level)
+    serve_args = list(args.extra_args)
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    settings = router_settings(args)
+    check_serve_args(serve_args)
+    serve_args += ["--log-level", args.log_level, "--shutdown-timeout", str(args.shutdown_timeout)]
+    worker_key = args.worker_api_key or args.api_key
+    ports = [args.base_port + i for i in range(args.workers)]
+    router_sock = _bind(args.host, args.router_port)
+    try:
+        if args.ray_address is None:
+            workers = _local_workers(args, serve_args, worker_key, ports)
+        else:
+            workers = _ray_workers(args, serve_args, worker_key)
+        from nanollmserve.cluster.launcher import run_cluster
+
+        asyncio.run(run_cluster(workers, router_sock, settings, args.log_level))
+    finally:
+        router_sock.close()
+    return 0
+
+
+def _local_workers(args, serve_args: list[str], worker_key: str | None, ports: list[int]):
+    from nanollmserve.cluster.devices import devices_of_worker, visible_gpus
+    from nanollmserve.cluster.local_workers import LocalWorkers
+    from nanollmserve.cluster.worker_process import worker_env
+
+    host = args.worker_host or "127.0.0.1"
+    for i, port in enumerate(ports):
+        check_port_free(host, port, f"worker {i}")
+    gpus = visible_gpus()
+    per_worker = _tensor_parallel_size(serve_args)
+    envs = [
+        worker_env(worker_key, devices_of_worker(i, gpus, per_worker)) for i in range(len(ports))
+    ]
+    workers = LocalWorkers(host, ports, serve_args, envs, args.max_restarts, args.shutdown_timeout)
+    workers.start()
+    return workers
+
+
+def _ray_workers(args, serve_args: list[str], worker_key: str | None):
+    from nanollmserve.cluster.ray_workers import RayWorkers
+
+    host = args.worker_host or ("127.0.0.1" if args.ray_address == "local" else None)
+    return RayWorkers(
+        args.ray_address,
+        args.workers,
+        args.base_port,
+        serve_args,
+        worker_key,
+        host,
+        args.max_restarts,
+        args.worker_num_cpus,
+        args.worker_num_gpus,
+        args.shutdown_timeout,
+    )
+
+
+def _tensor_parallel_size(serve_args: list[str]) -> int:
+    """Devices one worker needs: its --tensor-parallel-size (1 without it)."""
+    for i, arg in enumerate(serve_args):
+        if arg == "--tensor-parallel-size" and i + 1 < len(serve_args):
+            return max(1, int(serve_args[i + 1]))
+        if arg.startswith("--tensor-parallel-size="):
+            return max(1, int(arg.split("=", 1)[1]))
+    return 1

@@ -1,0 +1,152 @@
+"""`nanollmserve router --worker URL [--worker URL ...]`: one OpenAI-compatible endpoint in
+front of several `nanollmserve serve` workers (`nanollmserve.router`).
+
+It binds its port first (a busy port fails at once with one line), checks every worker's
+/health once, then serves; workers that are not up yet join when they answer. SIGINT /
+SIGTERM stop it. The API keys can come from the environment (`NANOLLMSERVE_API_KEY`,
+`NANOLLMSERVE_WORKER_API_KEY`), which keeps them off the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from nanollmserve.errors import UserError
+
+API_KEY_ENV = "NANOLLMSERVE_API_KEY"
+WORKER_API_KEY_ENV = "NANOLLMSERVE_WORKER_API_KEY"
+POLICY_CHOICES = ("round_robin", "least_load", "prefix")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "router",
+        help="route OpenAI requests over several nanollmserve servers",
+        description="One OpenAI-compatible endpoint in front of several `nanollmserve serve` "
+        "workers: health checks, failover, cache-aware placement, streaming passthrough.",
+    )
+    parser.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a worker's root URL (http://host:port); repeat for each worker",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default %(default)s)")
+    add_router_args(parser)
+    parser.set_defaults(func=run)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """The router flags `router` and `cluster` share."""
+    group = parser.add_argument_group("routing")
+    group.add_argument(
+        "--policy",
+        choices=POLICY_CHOICES,
+        default="least_load",
+        help="round_robin: in turn; least_load: fewest requests in flight; prefix: requests "
+        "sharing a prompt prefix go to the same worker, bounded by load (default %(default)s)",
+    )
+    group.add_argument(
+        "--health-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between health checks of each worker (default %(default)s)",
+    )
+    group.add_argument(
+        "--health-failures",
+        type=int,
+        default=3,
+        metavar="K",
+        help="failed checks in a row that take a worker out (a refused connection: at once) "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=256,
+        metavar="N",
+        help="prefix policy: the first N characters of the prompt place a request "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--balance-threshold",
+        type=int,
+        default=8,
+        metavar="N",
+        help="prefix policy: use the least loaded worker instead when the chosen one has N "
+        "more requests in flight (default %(default)s)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' from clients on every route but /health "
+        f"and /metrics (default: ${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--worker-api-key",
+        default=os.environ.get(WORKER_API_KEY_ENV) or None,
+        help=f"the key sent to the workers (default: ${WORKER_API_KEY_ENV}, else the "
+        "client's Authorization header is passed on)",
+    )
+    group.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="(default %(default)s)",
+    )
+
+
+def router_settings(args: argparse.Namespace):
+    from nanollmserve.router import RouterSettings
+
+    if args.health_interval <= 0:
+        raise UserError(f"--health-interval must be > 0, got {args.health_interval}")
+    if args.health_failures < 1:
+        raise UserError(f"--health-failures must be >= 1, got {args.health_failures}")
+    if args.prefix_chars < 1:
+        raise UserError(f"--prefix-chars must be >= 1, got {args.prefix_chars}")
+    if args.balance_threshold < 1:
+        raise UserError(f"--balance-threshold must be >= 1, got {args.balance_threshold}")
+    return RouterSettings(
+        policy=args.policy,
+        api_key=args.api_key,
+        worker_api_key=args.worker_api_key,
+        health_interval=args.health_interval,
+        health_failures=args.health_failures,
+        prefix_chars=args.prefix_chars,
+        balance_threshold=args.balance_threshold,
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if level != "debug":  # not a line per health check
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanollmserve.cli.serve import _bind
+    from nanollmserve.router import WorkerPool, create_router_app
+    from nanollmserve.router.server import serve_router
+
+    setup_logging(args.log_level)
+    settings = router_settings(args)
+    for url in args.worker:
+        if not url.strip():
+            raise UserError("--worker needs a URL, got an empty one")
+    sock = _bind(args.host, args.port)
+    try:
+        app = create_router_app(WorkerPool(args.worker), settings)
+        asyncio.run(serve_router(app, sock, args.log_level))
+    finally:
+        sock.close()
+    logging.getLogger("nanollmserve.router").info("nanollmserve router stopped")
+    return 0

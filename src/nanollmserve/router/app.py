@@ -1,0 +1,172 @@
+"""`create_router_app(pool, settings)`: the router's FastAPI app.
+
+Its own routes: `GET /health` (200 while at least one worker is healthy, else 503),
+`GET /stats` (`stats.py`), `GET /metrics` (`metrics.py`) and `GET /v1/models` (the workers'
+models, merged). Stored responses (`/v1/responses/{id}`, `previous_response_id`) go to the
+worker that holds them (`response_locator.py`). Every other path and method is forwarded by
+the proxy to the worker the policy picks (`/v1/*`, `/generate`, `/batch_generate`,
+`/tokenize`, `/detokenize`, the paths without `/v1`, the playground page). The health
+checker runs for the app's lifetime; the first round of checks ends before it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from nanollmserve import __version__
+from nanollmserve.router.auth import RouterAPIKeyMiddleware
+from nanollmserve.router.errors import error_response
+from nanollmserve.router.health import DEFAULT_INTERVAL_S, DEFAULT_MAX_FAILURES, HealthChecker
+from nanollmserve.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from nanollmserve.router.policies import DEFAULT_BALANCE_THRESHOLD, make_policy
+from nanollmserve.router.proxy import Proxy
+from nanollmserve.router.response_locator import ResponseLocator
+from nanollmserve.router.routing_key import DEFAULT_PREFIX_CHARS, routing_key
+from nanollmserve.router.stats import cluster_stats
+from nanollmserve.router.workers import WorkerPool
+
+__all__ = ["RouterSettings", "create_router_app"]
+
+RESPONSES_PATHS = ("/v1/responses", "/responses")
+
+
+@dataclass
+class RouterSettings:
+    policy: str = "least_load"
+    api_key: str | None = None
+    """What clients of the router send."""
+    worker_api_key: str | None = None
+    """What the router sends to the workers (default: the client's Authorization header)."""
+    health_interval: float = DEFAULT_INTERVAL_S
+    health_failures: int = DEFAULT_MAX_FAILURES
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    balance_threshold: int = DEFAULT_BALANCE_THRESHOLD
+
+
+def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) -> FastAPI:
+    settings = settings or RouterSettings()
+    policy = make_policy(settings.policy, settings.balance_threshold)
+    metrics = RouterMetrics(pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+        timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            app.state.client = client
+            app.state.proxy = Proxy(pool, policy, client, metrics, settings.worker_api_key)
+            app.state.locator = ResponseLocator(pool, client)
+            checker = HealthChecker(
+                pool, client, settings.health_interval, settings.health_failures
+            )
+            await checker.check_all()
+            task = asyncio.create_task(checker.run())
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = FastAPI(
+        title="nanollmserve router",
+        version=__version__,
+        lifespan=lifespan,
+        openapi_url=None,  # /openapi.json is the workers' (forwarded)
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.pool = pool
+    app.state.settings = settings
+    app.state.metrics = metrics
+
+    @app.get("/health")
+    async def health():
+        healthy = len(pool.healthy())
+        if not healthy:
+            return error_response(503, "no healthy worker", "no_healthy_worker")
+        return {"status": "ok", "num_healthy_workers": healthy, "num_workers": len(pool.all())}
+
+    @app.get("/stats")
+    async def stats(request: Request):
+        headers = _worker_read_headers(request, app)
+        return await cluster_stats(pool, app.state.client, headers)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def list_models(request: Request):
+        return await _merged_models(request, app)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.api_route("/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, request: Request):
+        body = await request.body()
+        worker = await app.state.locator.find(response_id, _worker_read_headers(request, app))
+        return await app.state.proxy.forward(request, body, None, pinned=worker)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def forward(path: str, request: Request):
+        body = await request.body()
+        parsed = _json(body) if request.method == "POST" else None
+        key = routing_key(parsed, settings.prefix_chars) if policy.uses_key else None
+        pinned = None
+        previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
+        if request.url.path in RESPONSES_PATHS and isinstance(previous, str):
+            headers = _worker_read_headers(request, app)
+            pinned = await app.state.locator.find(previous, headers)
+        return await app.state.proxy.forward(request, body, key, pinned=pinned)
+
+    if settings.api_key:
+        app.add_middleware(RouterAPIKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+def _worker_read_headers(request: Request, app: FastAPI) -> dict[str, str]:
+    """The Authorization header the router's own calls to workers carry."""
+    headers = app.state.proxy.upstream_headers(request)
+    return {k: v for k, v in headers.items() if k.lower() == "authorization"}
+
+
+async def _merged_models(request: Request, app: FastAPI) -> Response:
+    """Every model the healthy workers serve, each id once; a worker's error (a 401) is
+    passed on when no worker answered 200."""
+    client: httpx.AsyncClient = app.state.client
+    headers = _worker_read_headers(request, app)
+    workers = app.state.pool.healthy()
+    if not workers:
+        return error_response(503, "no healthy worker", "no_healthy_worker")
+    answers = await asyncio.gather(
+        *(client.get(f"{w.url}/v1/models", headers=headers, timeout=10.0) for w in workers),
+        return_exceptions=True,
+    )
+    cards: dict[str, dict] = {}
+    errors = []
+    for answer in answers:
+        if isinstance(answer, httpx.Response) and answer.status_code == 200:
+            for card in answer.json().get("data", []):
+                cards.setdefault(card["id"], card)
+        elif isinstance(answer, httpx.Response):
+            errors.append(answer)
+    if not cards and errors:
+        return Response(errors[0].content, errors[0].status_code, media_type="application/json")
+    if not cards:
+        return error_response(502, "no worker listed its models", "worker_failed")
+    return JSONResponse({"object": "list", "data": list(cards.values())})
+
+
+def _json(body: bytes) -> object:
+    try:
+        return json.loads(body) if body else None
+    except ValueError:
+        return None

@@ -1,0 +1,34 @@
+"""The router's own errors, in the OpenAI shape the workers use
+(`{"error": {message, type, param, code}}`), and the SSE error event that ends a stream whose
+worker failed after it started. (The router does not import `nanollmserve.api`: that package
+loads the engine and torch, which a router process has no use for.)
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
+
+
+def error_body(status_code: int, message: str, code: str | None) -> dict:
+    kind = "authentication_error" if status_code == 401 else "invalid_request_error"
+    if status_code >= 500:
+        kind = "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(
+    status_code: int, message: str, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status_code, message, code), status_code, headers=headers)
+
+
+def stream_error_event(path: str, message: str, code: str) -> bytes:
+    """The event that ends a broken stream: the Responses API's `event: error`, elsewhere a
+    `data: {"error": ...}` chunk and `data: [DONE]` (what a worker sends when it fails)."""
+    if path.rstrip("/").endswith("/responses"):
+        payload = {"type": "error", "code": code, "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
+    payload = json.dumps(error_body(502, message, code))
+    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()

@@ -1,0 +1,64 @@
+"""HealthChecker: polls every worker's /health each `interval` seconds.
+
+A worker that answers 200 is (back) in the rotation. One that refuses the connection leaves
+it at once; one that fails otherwise (an error status, a timeout) leaves it after
+`max_failures` checks in a row. The proxy also takes a worker out when a request to it
+cannot connect or is cut before its first byte, without waiting for the next check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from nanollmserve.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger("nanollmserve.router")
+
+DEFAULT_INTERVAL_S = 2.0
+DEFAULT_MAX_FAILURES = 3
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        client: httpx.AsyncClient,
+        interval: float = DEFAULT_INTERVAL_S,
+        max_failures: int = DEFAULT_MAX_FAILURES,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.interval = interval
+        self.max_failures = max_failures
+
+    async def check(self, worker: Worker) -> None:
+        timeout = max(1.0, min(self.interval, 5.0))
+        try:
+            response = await self.client.get(f"{worker.url}/health", timeout=timeout)
+        except httpx.ConnectError as exc:
+            worker.num_failed_checks += 1
+            worker.mark_down(f"connection refused ({exc.__class__.__name__})")
+            return
+        except httpx.HTTPError as exc:
+            self._failed(worker, exc.__class__.__name__)
+            return
+        if response.status_code == 200:
+            worker.mark_up()
+        else:
+            self._failed(worker, f"/health answered {response.status_code}")
+
+    def _failed(self, worker: Worker, reason: str) -> None:
+        worker.num_failed_checks += 1
+        if worker.num_failed_checks >= self.max_failures:
+            worker.mark_down(f"{reason}, {worker.num_failed_checks} checks in a row")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(worker) for worker in self.pool.all()))
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval)

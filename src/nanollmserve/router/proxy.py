@@ -1,0 +1,224 @@
+"""Proxy: forwards one client request to a worker and the worker's answer back.
+
+- The policy picks a worker among the healthy ones not tried yet. An attempt that fails
+  before anything reached the client (no connection, a reset, a 502/503, a body cut short)
+  is retried on another worker with the same bytes; the client sees nothing of it. When no
+  worker is left, the last worker's 502/503 (or a 502/503 of the router's) is the answer.
+- An SSE answer streams through chunk by chunk as the worker sends it, never buffered; a
+  worker that fails mid-stream ends the stream with an error event (`errors.py`), never a
+  silent truncation. Other answers (JSON, small) are read whole first, which keeps them
+  retryable until the last byte.
+- A client that goes away closes the upstream request at once, streaming or not, so the
+  worker aborts it and frees its KV blocks (`collect_final` / `SSEResponse` on its side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from nanollmserve.router.errors import error_response, stream_error_event
+from nanollmserve.router.metrics import RouterMetrics
+from nanollmserve.router.workers import Worker, WorkerPool
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+    }
+)
+RETRY_STATUSES = frozenset({502, 503})
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it
+
+
+class ClientGone(Exception):
+    """The client disconnected while the router waited on a worker."""
+
+
+@dataclass
+class Failure:
+    """An attempt that failed before anything reached the client."""
+
+    reason: str
+    response: Response | None = None
+    """The worker's own 502/503, answered if no other worker can take the request."""
+
+
+class Proxy:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        worker_api_key: str | None = None,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.client = client
+        self.metrics = metrics
+        self.worker_api_key = worker_api_key
+
+    def upstream_headers(self, request: Request) -> dict[str, str]:
+        """The client's headers for the worker: hop-by-hop ones dropped, and with
+        `--worker-api-key` the worker's key instead of the client's."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if self.worker_api_key:
+            headers["authorization"] = f"Bearer {self.worker_api_key}"
+        return headers
+
+    async def forward(
+        self, request: Request, body: bytes, key: str | None, pinned: Worker | None = None
+    ) -> Response:
+        """The answer to `request`: from the worker the policy picks for `key` (or `pinned`,
+        the only one that may answer it), retried on others while nothing was sent."""
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            return await self._forward(request, body, key, pinned, gone)
+        finally:
+            gone.cancel()
+
+    async def _forward(self, request, body, key, pinned, gone) -> Response:
+        tried: set[Worker] = set()
+        failure: Failure | None = None
+        failed_worker: Worker | None = None
+        while True:
+            pool = [pinned] if pinned is not None else self.pool.healthy()
+            candidates = [worker for worker in pool if worker not in tried]
+            if not candidates:
+                break
+            worker = self.policy.choose(candidates, key)
+            if failed_worker is not None:  # it failed; this one takes the request over
+                self.metrics.retries.labels(failed_worker.url).inc()
+                failed_worker.num_retried += 1
+            tried.add(worker)
+            outcome = await self._attempt(worker, request, body, gone)
+            if not isinstance(outcome, Failure):
+                return outcome
+            failure, failed_worker = outcome, worker
+            worker.num_failed += 1
+            self.metrics.failures.labels(worker.url).inc()
+        if failure is not None and failure.response is not None:
+            return failure.response
+        if failure is not None:
+            return error_response(
+                502, f"no worker could answer the request: {failure.reason}", "worker_failed"
+            )
+        return error_response(
+            503, "no healthy worker", "no_healthy_worker", headers={"Retry-After": "1"}
+        )
+
+    async def _attempt(self, worker: Worker, request: Request, body: bytes, gone) -> object:
+        """A Response for the client, or a Failure that another worker may retry."""
+        url = f"{worker.url}{request.url.path}"
+        if request.url.query:
+            url += f"?{request.url.query}"
+        upstream = self.client.build_request(
+            request.method, url, headers=self.upstream_headers(request), content=body
+        )
+        worker.num_in_flight += 1
+        worker.num_routed += 1
+        self.metrics.requests.labels(worker.url).inc()
+        response: httpx.Response | None = None
+        handed_over = False
+        start = time.perf_counter()
+        try:
+            response = await _unless_gone(self.client.send(upstream, stream=True), gone)
+            self.metrics.upstream_latency.labels(worker.url).observe(time.perf_counter() - start)
+            headers = response_headers(response)
+            if response.status_code in RETRY_STATUSES:
+                content = await _unless_gone(response.aread(), gone)
+                answer = Response(content, response.status_code, headers=headers)
+                return Failure(f"{worker.url} answered {response.status_code}", answer)
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                handed_over = True
+                relay = self._relay(worker, response, request.url.path)
+                return StreamingResponse(relay, response.status_code, headers=headers)
+            content = await _unless_gone(response.aread(), gone)
+            return Response(content, response.status_code, headers=headers)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except httpx.TransportError as exc:
+            reason = f"{worker.url}: {type(exc).__name__}"
+            worker.mark_down(f"a request failed ({type(exc).__name__})")
+            return Failure(reason)
+        finally:
+            if not handed_over:
+                worker.num_in_flight -= 1
+                if response is not None:
+                    await _close(response)
+
+    async def _relay(
+        self, worker: Worker, response: httpx.Response, path: str
+    ) -> AsyncIterator[bytes]:
+        """The worker's stream as it comes; cancelled (and the upstream closed) when the
+        client goes away; an error event if the worker fails mid-stream."""
+        tail = b""
+        try:
+            async for chunk in response.aiter_bytes():
+                tail = (tail + chunk)[-2:]
+                yield chunk
+        except httpx.TransportError as exc:
+            worker.num_failed += 1
+            self.metrics.failures.labels(worker.url).inc()
+            worker.mark_down(f"a stream was cut ({type(exc).__name__})")
+            separator = b"" if tail in (b"", b"\n\n") else b"\n\n"
+            message = f"the worker failed during the stream ({type(exc).__name__})"
+            yield separator + stream_error_event(path, message, "worker_failed")
+        finally:
+            worker.num_in_flight -= 1
+            await _close(response)
+
+
+def response_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+async def _close(response: httpx.Response) -> None:
+    """Close the upstream response even while being cancelled (the client went away): that
+    closes the worker's connection, which aborts the request there."""
+    with anyio.CancelScope(shield=True):
+        await response.aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_gone(awaitable: Awaitable, gone: asyncio.Future):
+    """`awaitable`'s result, or ClientGone (and `awaitable` cancelled) if the client leaves
+    first."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone

@@ -1,0 +1,67 @@
+"""The router's view of its workers: a `Worker` per URL (health, requests in flight, routed /
+failed / retried counts) and the `WorkerPool` the policies choose from. The cluster launcher
+replaces the pool's URLs when Ray restarts a worker somewhere else (`set_urls`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("nanollmserve.router")
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = f"http://{url}"
+    return url
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    is_healthy: bool = False
+    """In the rotation. A new worker joins after its first good health check."""
+    num_in_flight: int = 0
+    """Requests sent to it that have not ended (the least-load measure)."""
+    num_routed: int = 0
+    """Attempts sent to it."""
+    num_failed: int = 0
+    """Attempts that failed: no connection, reset, 502/503, a stream cut short."""
+    num_retried: int = 0
+    """Failed attempts that were then retried on another worker (the client saw nothing)."""
+    num_failed_checks: int = 0
+    """Health checks failed in a row."""
+
+    def mark_up(self) -> None:
+        self.num_failed_checks = 0
+        if not self.is_healthy:
+            logger.info("worker %s is up", self.url)
+        self.is_healthy = True
+
+    def mark_down(self, reason: str) -> None:
+        if self.is_healthy:
+            logger.warning("worker %s is down: %s", self.url, reason)
+        self.is_healthy = False
+
+
+class WorkerPool:
+    def __init__(self, urls: list[str]) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.set_urls(urls)
+
+    def set_urls(self, urls: list[str]) -> None:
+        """Make the pool these URLs: known ones keep their state, new ones join after their
+        first good health check, missing ones leave."""
+        wanted = [normalize_url(url) for url in urls]
+        self.workers = {url: self.workers.get(url) or Worker(url) for url in wanted}
+
+    def all(self) -> list[Worker]:
+        return list(self.workers.values())
+
+    def healthy(self) -> list[Worker]:
+        return [worker for worker in self.workers.values() if worker.is_healthy]
+
+    def get(self, url: str) -> Worker | None:
+        return self.workers.get(normalize_url(url))
