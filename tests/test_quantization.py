@@ -95,5 +95,6 @@ def test_cli_rejects_an_unknown_quantization_in_one_line():
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "nanollmserve: error: quantization must be int8 or fp16 (or unset), got 'int4'"
+        "nanollmserve: error: quantization must be int8 or fp16 or gguf or none (or unset), "
+        "got 'int4'"
     )

@@ -45,8 +45,9 @@ class EngineConfig:
     tokenizer: str | None = None
     """A Hugging Face tokenizer directory to use instead of the model's."""
     quantization: str | None = None
-    """CPU weight formats, faster at small batches, slower at large: int8 (weight-only int8)
-    or fp16 (float16 weights, float32 math)."""
+    """CPU weight formats: gguf (a GGUF file's own Q4_0/Q4_1 blocks through PyTorch's int4
+    kernel; the default for GGUF models on CPU with --dtype auto), int8 (weight-only int8), fp16
+    (float16 weights, float32 math), or none (the dequantized weights in --dtype)."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT directories) on top of the base model."""
     max_loras: int = 1
@@ -62,8 +63,8 @@ class EngineConfig:
             # Imported here: layers/ pulls in torch, and the CLI parses flags without it.
             from nanollmserve.layers.quantization import QUANTIZATION_METHODS
 
-            if self.quantization not in QUANTIZATION_METHODS:
-                names = " or ".join(QUANTIZATION_METHODS)
+            if self.quantization not in (*QUANTIZATION_METHODS, "none"):
+                names = " or ".join((*QUANTIZATION_METHODS, "none"))
                 raise UserError(
                     f"quantization must be {names} (or unset), got {self.quantization!r}"
                 )
@@ -81,7 +82,7 @@ class EngineConfig:
             )
         if self.max_lora_rank < 1:
             raise UserError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.enable_lora and self.quantization is not None:
+        if self.enable_lora and self.quantization not in (None, "none"):
             raise UserError("LoRA adapters with --quantization are not supported yet")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.errors import UserError
-from nanollmserve.layers.quantization import COMPUTE_DTYPES, quantize_model
+from nanollmserve.layers.quantization import COMPUTE_DTYPES, GGUF_METHOD, quantize_model
 from nanollmserve.model.device import resolve_device, resolve_dtype
 from nanollmserve.model.loader import load_model
 from nanollmserve.model.model_config import ModelConfig
@@ -30,6 +30,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    quantization: str | None = None
+    """The weight format the linear layers run (`--quantization`, or the GGUF default)."""
 
     @property
     def model_dir(self) -> Path:
@@ -46,13 +48,40 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(source.path)
     model = load_model(source.path, model_config, dtype, device)
-    if config.quantization:
+    quantization = resolve_quantization(config, source, device)
+    if quantization:
         if device.type != "cpu":
-            raise UserError(f"--quantization {config.quantization} runs on the CPU only")
-        quantize_model(model, config.quantization)
+            raise UserError(f"--quantization {quantization} runs on the CPU only")
+        if quantization == GGUF_METHOD:
+            if not use_gguf_blocks(model, source, model_config, dtype, config.quantization):
+                quantization = None  # the default, on a file without 4-bit linear weights
+        else:
+            quantize_model(model, quantization)
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s) in %.1f s", source.description, device, dtype, seconds)
-    return LoadedModel(source, model_config, model, device, dtype, seconds)
+    logger.info(
+        "loaded %s (%s, %s, quantization %s) in %.1f s",
+        *(source.description, device, dtype, quantization or "none", seconds),
+    )
+    return LoadedModel(source, model_config, model, device, dtype, seconds, quantization)
+
+
+def resolve_quantization(config: EngineConfig, source: ModelSource, device: torch.device):
+    """`--quantization` as given ("none": off); unset, a GGUF model on the CPU with `--dtype
+    auto` runs its own 4-bit blocks (`gguf`: about twice the float32 single-stream speed, the
+    same greedy answers; docs/benchmarks.md), unless a feature that does not support it yet
+    (tensor parallelism, LoRA) is on. `--dtype X` or `--quantization none` give the
+    dequantized weights in that dtype."""
+    if config.quantization is not None:
+        return None if config.quantization == "none" else config.quantization
+    if (
+        device.type == "cpu"
+        and source.gguf_path is not None
+        and config.dtype == "auto"
+        and config.tensor_parallel_size == 1
+        and not config.enable_lora
+    ):
+        return GGUF_METHOD
+    return None
 
 
 def quantization_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
@@ -65,3 +94,33 @@ def quantization_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
             f"use --dtype {name} or auto, not {config.dtype}"
         )
     return required
+
+
+def use_gguf_blocks(
+    model: nn.Module,
+    source: ModelSource,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    asked: str | None,
+) -> bool:
+    """`gguf`: the linear layers run the GGUF file's own 4-bit blocks -> False when the file
+    has none and `--quantization gguf` was not `asked` for (else that is a UserError)."""
+    from nanollmserve.layers.gguf_linear import apply_gguf_blocks, kernel_dtype
+    from nanollmserve.model.gguf_cache import cached_int4_blocks
+
+    if source.gguf_path is None:
+        raise UserError(
+            f"--quantization {GGUF_METHOD} runs a GGUF file's blocks: give the bundled model or "
+            f"a *.gguf file, not {source.description}"
+        )
+    packed = cached_int4_blocks(source.path, source.gguf_path, model_config, kernel_dtype(dtype))
+    if not packed and asked is None:
+        return False
+    if not packed:
+        raise UserError(
+            f"--quantization {GGUF_METHOD}: {source.gguf_path.name} stores no linear weight as "
+            "Q4_0 or Q4_1 blocks (other block types run dequantized: leave --quantization unset)"
+        )
+    replaced = apply_gguf_blocks(model, packed)
+    logger.info("%d linear layers run their GGUF 4-bit blocks", replaced)
+    return True

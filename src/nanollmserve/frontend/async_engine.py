@@ -169,7 +169,7 @@ class AsyncEngine:
             block_size=config.block_size,
             device=str(core.device),
             dtype=str(core.dtype).removeprefix("torch."),
-            quantization=config.quantization,
+            quantization=core.loaded.quantization,
             model_dir=str(core.loaded.model_dir),
         )
         self.tokenizer = self.engine_loop.tokenizer

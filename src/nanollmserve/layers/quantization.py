@@ -16,8 +16,10 @@ Large batches are compute-bound and run faster in bfloat16 with either format of
 lm_head is replaced too (for tied embeddings, a converted copy: the embedding lookup keeps
 the original table).
 
-4-bit weights (PyTorch's int4 kernels, groups of 32) were tried and left out: on the bundled
-135 M model they changed greedy answers ("the capital of France" stopped being Paris).
+- `gguf`: the linear weights a GGUF file stores as Q4_0 / Q4_1 blocks run from those blocks
+  through PyTorch's int4 kernel (`layers/gguf_linear.py`); nothing is re-quantized. (Re-quantizing
+  the dequantized weights to 4 bits with our own scales was tried first and left out: on the
+  bundled 135 M model it changed greedy answers.)
 """
 
 from __future__ import annotations
@@ -77,16 +79,19 @@ class Fp16Linear(WeightOnlyLinear):
 
 
 LINEAR_CLASSES = {"int8": Int8Linear, "fp16": Fp16Linear}
-QUANTIZATION_METHODS = tuple(LINEAR_CLASSES)
+QUANTIZATION_METHODS = (*LINEAR_CLASSES, "gguf")
+GGUF_METHOD = "gguf"
+"""Runs a GGUF file's own blocks: the loader applies it (`gguf_linear.apply_gguf_blocks`)."""
 COMPUTE_DTYPES = {"fp16": torch.float32}
 """Methods whose kernels take one activation dtype only (the others use the model's)."""
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """Replace every nn.Linear of the model (and its output projection) in place."""
-    if method not in QUANTIZATION_METHODS:
+    if method not in LINEAR_CLASSES:
         raise ValueError(
-            f"unknown quantization {method!r} (supported: {', '.join(QUANTIZATION_METHODS)})"
+            f"unknown quantization {method!r} (supported: {', '.join(LINEAR_CLASSES)}; "
+            f"{GGUF_METHOD!r} needs the file's blocks: layers.gguf_linear.apply_gguf_blocks)"
         )
     linear_class = LINEAR_CLASSES[method]
     for parent in list(model.modules()):

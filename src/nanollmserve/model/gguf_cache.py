@@ -135,3 +135,40 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
+
+
+def cached_int4_blocks(entry: Path, gguf_path: Path, config, dtype) -> dict:
+    """The GGUF's 4-bit linear weights packed for PyTorch's int4 kernel (`--quantization gguf`):
+    weight name -> {"packed", "scale_zero"}, read from `entry` or packed once and saved there.
+
+    The kernel's packed layout depends on the CPU's vector ISA, so the file name carries
+    PyTorch's CPU capability (and the activation dtype of the block constants).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from nanollmserve.layers.gguf_linear import pack_int4_blocks
+    from nanollmserve.model.gguf_blocks import read_int4_blocks
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    dtype_name = str(dtype).removeprefix("torch.")
+    path = entry / f"gguf-int4-{capability.lower()}-{dtype_name}.safetensors"
+    if not path.is_file():
+        logger.info("packing the 4-bit blocks of %s once into %s", gguf_path.name, path.name)
+        flat = {}
+        for name, blocks in read_int4_blocks(gguf_path, config).items():
+            for part, tensor in pack_int4_blocks(blocks, dtype).items():
+                flat[f"{name}:{part}"] = tensor
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".safetensors", dir=entry)
+        os.close(fd)
+        try:
+            save_file(flat, tmp, metadata={"gguf_file": gguf_path.name})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    packed: dict = {}
+    for key, tensor in load_file(path).items():
+        name, part = key.rsplit(":", 1)
+        packed.setdefault(name, {})[part] = tensor
+    return packed

@@ -42,6 +42,8 @@ class ModelSource:
     """Where the weights came from, one line for logs and `nanollmserve info`."""
     converted: bool = False
     """True when this call converted a GGUF file (the cache did not have it yet)."""
+    gguf_path: Path | None = None
+    """The GGUF file the cached directory was converted from (GGUF sources only)."""
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -93,7 +95,8 @@ def _from_gguf(gguf_path: Path, kind: str, name: str) -> ModelSource:
         logger.debug("GGUF conversion failed", exc_info=True)
         raise UserError(f"cannot convert {what} into the cache: {_one_line(exc)}") from None
     verb = "converted into" if converted else "from"
-    return ModelSource(path, name, kind, f"{what}, {verb} the cache at {path}", converted)
+    description = f"{what}, {verb} the cache at {path}"
+    return ModelSource(path, name, kind, description, converted, gguf_path)
 
 
 def _from_hub(repo_id: str) -> ModelSource:
