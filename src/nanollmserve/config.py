@@ -48,6 +48,9 @@ class EngineConfig:
     """CPU weight formats: gguf (a GGUF file's own Q4_0/Q4_1 blocks through PyTorch's int4
     kernel; the default for GGUF models on CPU with --dtype auto), int8 (weight-only int8), fp16
     (float16 weights, float32 math), or none (the dequantized weights in --dtype)."""
+    tensor_parallel_size: int = 1
+    """Shard the model over N ranks (Megatron-style: heads, MLP and vocabulary split); rank 0
+    spawns the others on this machine (GPUs cuda:0..N-1, or CPU processes with gloo)."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT directories) on top of the base model."""
     max_loras: int = 1
@@ -68,6 +71,8 @@ class EngineConfig:
                 raise UserError(
                     f"quantization must be {names} (or unset), got {self.quantization!r}"
                 )
+        if self.tensor_parallel_size < 1:
+            raise UserError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -35,6 +35,17 @@ class LLM:
         self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their group (nothing to do with one
+        rank); the LLM cannot generate after it. `with LLM(...) as llm:` calls it on exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -200,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model_pos and "model" in args.env_sources:
         args.model = None  # the positional MODEL beats NANOLLMSERVE_MODEL, as a flag would
     config = engine_config_from_args(args)
+    if config.tensor_parallel_size > 1 and int(os.environ.get("RANK", 0)) > 0:
+        from nanollmserve.distributed.tp_worker import run_torchrun_worker
+
+        run_torchrun_worker(config)  # a torchrun rank > 0 runs the model, serves nothing
+        return 0
     args.cors = {name: _json_list(args, name) for name in CORS_FLAGS}
     _check_tls(args)
     if args.generation_config not in ("auto", "vllm"):

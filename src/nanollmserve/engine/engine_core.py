@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,11 +27,15 @@ from nanollmserve.engine.scheduler import Scheduler
 from nanollmserve.engine.stats import EngineCounters, EngineStats, StepStats
 from nanollmserve.errors import UserError
 
+if TYPE_CHECKING:
+    from nanollmserve.distributed.tp_executor import TensorParallelExecutor
+
 __all__ = ["EngineCore", "EngineStats", "EngineStepResult", "StepStats"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+"""Per rank under tensor parallelism."""
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
@@ -47,6 +52,14 @@ class EngineStepResult:
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        self.tensor_parallel = start_tensor_parallel(config)  # None with one rank
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         self.loaded = loaded or load_engine_model(config)
         model_config = self.loaded.model_config
         self.model_config = model_config
@@ -69,6 +82,9 @@ class EngineCore:
             dtype=self.dtype,
             seed=config.seed,
         )
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.start_workers(self.num_kv_blocks)
+            self.model_runner.step_sender = self.tensor_parallel.send_step
         self.counters = EngineCounters()
 
     # -- requests -------------------------------------------------------------------------
@@ -113,10 +129,30 @@ class EngineCore:
         if not scheduled.is_empty:
             if self.lora_manager is not None:
                 self.lora_manager.set_batch(scheduled.requests, scheduled.num_new_tokens)
-            sampled = self.model_runner.execute_model(scheduled)
+            sampled = self._execute_model(scheduled)
             outputs, step = self.scheduler.update_from_output(scheduled, sampled)
             self.counters.record_step(step)
         return EngineStepResult(outputs, self.stats())
+
+    def _execute_model(self, scheduled):
+        if self.tensor_parallel is None:
+            return self.model_runner.execute_model(scheduled)
+        self.tensor_parallel.check_alive()
+        try:
+            return self.model_runner.execute_model(scheduled)
+        except Exception as exc:  # the ranks are out of step now: no retry can help
+            raise self.tensor_parallel.fail(f"a tensor-parallel step failed: {exc!r}") from exc
+
+    def add_failure_listener(self, listener) -> None:
+        """`listener(EngineFatalError)` is called, from another thread, when the engine can
+        no longer step (a tensor-parallel rank died)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.add_failure_listener(listener)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine now (also between steps, when it is idle)."""
@@ -148,7 +184,8 @@ class EngineCore:
     def _num_kv_blocks(self, block_size: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * block_size
+        tp_size = self.config.tensor_parallel_size
+        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype, tp_size) * block_size
         memory = self.config.kv_cache_memory
         if memory is None:
             if self.device.type == "cuda":
@@ -184,3 +221,13 @@ class EngineCore:
             return self.config.max_model_len
         # Every request must fit the pool on its own, or it could never finish.
         return min(model_limit, DEFAULT_MAX_MODEL_LEN_CAP, pool_tokens)
+
+
+def start_tensor_parallel(config: EngineConfig) -> TensorParallelExecutor | None:
+    """With `tensor_parallel_size` > 1: start the other ranks and join their group (this
+    process is rank 0), so the model built next is this rank's shard."""
+    if config.tensor_parallel_size == 1:
+        return None
+    from nanollmserve.distributed.tp_executor import TensorParallelExecutor
+
+    return TensorParallelExecutor(config)

@@ -11,6 +11,8 @@ matmuls on the CPU kernel that is fastest for one row (`layers/cpu_matmul.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,6 +24,7 @@ from nanollmserve.layers.attention_context import (
     AttentionContext,
     PrefillSpan,
     additive_mask,
+    get_context,
     reset_context,
     set_context,
 )
@@ -59,19 +62,16 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler(seed=seed, device=device)
+        self.step_sender: Callable[..., None] | None = None
+        """Rank 0 of a tensor-parallel group: sends each step to the other ranks."""
 
     @torch.inference_mode()
     def execute_model(self, scheduled: SchedulerOutput) -> list[SampledToken | None]:
         """One token (or None: a prefill chunk short of the prompt's end) per request."""
         input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
-        with matmul_kernels_for(input_ids.shape[0], self.device, self.dtype):
-            try:
-                hidden = self.model(input_ids, positions)
-            finally:
-                reset_context()
-            if not sample_rows:
-                return [None] * len(scheduled.requests)
-            logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self.run_model(input_ids, positions, logits_indices if sample_rows else None)
+        if logits is None:
+            return [None] * len(scheduled.requests)
         sample_requests = [scheduled.requests[i] for i in sample_rows]
         meta = self._sampling_metadata(sample_requests, logits.shape[1])
         sampled = self.sampler(logits, meta)
@@ -81,6 +81,27 @@ class ModelRunner:
         ):
             results[row] = token
         return results
+
+    @torch.inference_mode()
+    def run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The forward pass over the flat batch (its attention context set) and the logits at
+        `logits_indices` (None: a step that samples nothing). Under tensor parallelism rank 0
+        first hands the step to `step_sender`, and every other rank runs this same method."""
+        if self.step_sender is not None:
+            self.step_sender(input_ids, positions, get_context(), logits_indices)
+        with matmul_kernels_for(input_ids.shape[0], self.device, self.dtype):
+            try:
+                hidden = self.model(input_ids, positions)
+            finally:
+                reset_context()
+            if logits_indices is None:
+                return None
+            return self.model.compute_logits(hidden[logits_indices])
 
     def _prepare_inputs(self, scheduled: SchedulerOutput):
         requests, num_new = scheduled.requests, scheduled.num_new_tokens

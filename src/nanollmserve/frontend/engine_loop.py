@@ -18,10 +18,11 @@ A step that raises fails every request in the engine with `EngineStepError` (a 5
 step left in the KV cache cannot be trusted), logs the traceback, resets the engine's
 scheduling state (queues, block tables, prefix cache; the model and the KV tensor stay) and
 goes on with the requests that arrive next. After `MAX_CONSECUTIVE_STEP_FAILURES` failed
-steps in a row the fault is taken to be permanent: the loop stops, unhealthy, failing what is
-left with `EngineDeadError`, and `nanollmserve serve` exits with status 1 so its supervisor
-restarts it. `NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1) makes those steps
-raise, to test this.
+steps in a row, or at once for an `EngineFatalError` (a tensor-parallel rank died, even
+while the loop sleeps), the fault is taken to be permanent: the loop stops, unhealthy,
+failing what is left with `EngineDeadError`, and `nanollmserve serve` exits with status 1 so
+its supervisor restarts it. `NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1)
+makes those steps raise, to test this.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from nanollmserve.engine.engine_core import EngineCore, EngineStats
+from nanollmserve.engine.errors import EngineFatalError
 from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.tokenizer import load_tokenizer
@@ -175,6 +177,7 @@ class EngineLoop:
                 self.engine.config.tokenizer or self.engine.loaded.model_dir
             )
             self.driver = EngineDriver(self.engine, self.tokenizer)
+            self.engine.add_failure_listener(self._on_engine_failure)
             self._stats = self._make_stats(self.engine.stats())
         except BaseException as exc:
             self._build_error = exc
@@ -188,10 +191,12 @@ class EngineLoop:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._stopping or self._has_work()):
+                    while not (self._inbox or self._stopping or self._has_work() or self.error):
                         self._cond.wait()
                     commands, self._inbox = self._inbox, []
                     stopping = self._stopping
+                if self.error is not None:  # set by _on_engine_failure
+                    raise self.error
                 self._apply(commands)
                 if stopping:
                     self._fail_all(EngineDeadError("the server shut down"), count_as="aborted")
@@ -199,6 +204,8 @@ class EngineLoop:
                 if self._has_work():
                     try:
                         self._step()
+                    except EngineFatalError:
+                        raise
                     except Exception as exc:
                         self._recover(exc)
                 self._stats = self._make_stats(self.engine.stats())
@@ -209,6 +216,14 @@ class EngineLoop:
             self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"), count_as="failed")
         finally:
             self._stats = self._make_stats(self._last_engine_stats())
+            self.engine.shutdown()
+
+    def _on_engine_failure(self, error: EngineFatalError) -> None:
+        """From the tensor-parallel monitor thread: a rank died. The engine is unhealthy from
+        now on (the server exits) and the loop wakes to fail what is in flight."""
+        with self._cond:
+            self.error = error
+            self._cond.notify()
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()

@@ -9,6 +9,10 @@ states of the tokens the runner samples into float32 logits.
 q/k/v are one matmul (`qkv_proj`) and so are gate/up (`gate_up_proj`); the loader packs the HF
 tensors into them (`packed_modules_mapping`). Qwen2 and Qwen3 (`qwen.py`) are this decoder with
 other `DecoderOptions`.
+
+Under tensor parallelism (`layers/parallel_linear.py`) each rank builds this same model with
+its share of the heads, the MLP width and the vocabulary; with a group of one the parallel
+layers are plain linears and embeddings.
 """
 
 from __future__ import annotations
@@ -19,9 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanollmserve.distributed.parallel_state import get_tp_size
 from nanollmserve.layers.activation import SiluAndMul
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.norm import RMSNorm
+from nanollmserve.layers.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 from nanollmserve.layers.rotary import RotaryEmbedding, apply_rotary
 from nanollmserve.model.model_config import ModelConfig
 
@@ -39,15 +52,22 @@ class DecoderOptions:
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        tp_size = get_tp_size()  # this rank's share of the heads; KV heads replicated if few
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=options.qkv_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.head_dim, config.hidden_size, bias=options.o_bias
+        )
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -78,9 +98,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -113,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -149,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else ParallelLMHead(config.hidden_size, config.vocab_size)
         )
 
     @classmethod
@@ -161,10 +181,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (on every rank)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return gather_logits(logits, self.config.vocab_size).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         """Each layer's PagedAttention, in layer order: the runner binds `k_cache`/`v_cache`."""

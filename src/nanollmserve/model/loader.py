@@ -3,7 +3,9 @@
 The model is built on the "meta" device (no memory, no random init), then every parameter is
 replaced by the checkpoint tensor, read straight onto the target device and cast to the model
 dtype. HF names map to ours one to one, except q/k/v and gate/up, which are concatenated into
-the fused `qkv_proj` / `gate_up_proj` (the model's `packed_modules_mapping`). A checkpoint that
+the fused `qkv_proj` / `gate_up_proj` (the model's `packed_modules_mapping`). Under tensor
+parallelism each tensor is cut to this rank's slice as it is read (`shard_checkpoint_tensor`),
+so a rank never holds more than its shard plus one whole tensor. A checkpoint that
 lacks a weight, has one the model does not know, or has a wrong shape fails with a UserError.
 """
 
@@ -18,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanollmserve.errors import UserError
+from nanollmserve.layers.parallel_linear import shard_checkpoint_tensor
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.registry import get_model_class
 
@@ -97,8 +100,9 @@ def _read_weights(
                     continue
                 if hf_name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # some tied checkpoints store the shared matrix twice
-                tensor = f.get_tensor(hf_name).to(dtype)
                 name, shard = _our_name(hf_name, packed_mapping)
+                tensor = shard_checkpoint_tensor(model, name, shard, f.get_tensor(hf_name))
+                tensor = tensor.to(dtype)
                 if shard is None:
                     weights[name] = tensor
                 else:

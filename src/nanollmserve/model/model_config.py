@@ -52,9 +52,11 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token takes over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V one token takes over all layers (on one rank of a tensor-parallel
+        group: its share of the KV heads, at least one)."""
+        kv_heads = max(1, self.num_kv_heads // tensor_parallel_size)
+        return 2 * self.num_layers * kv_heads * self.head_dim * dtype.itemsize
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:

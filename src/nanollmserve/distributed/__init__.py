@@ -1,0 +1,1 @@
+"""Scale-out: the tensor-parallel process group, its step broadcast and worker ranks."""
