@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from nanollmserve.errors import UserError
+from nanollmserve.speculative_config import SpeculativeConfig
 
 
 @dataclass
@@ -57,8 +58,13 @@ class EngineConfig:
     """Most LoRA adapters in one batch (preallocated slots)."""
     max_lora_rank: int = 16
     """Highest LoRA rank an adapter may have (the slots' size)."""
+    speculative_config: str | dict | SpeculativeConfig | None = None
+    """Speculative decoding as JSON, vLLM's keys: {"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
+    PATH, "num_speculative_tokens": 3} (default: off)."""
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -213,6 +213,21 @@ class HealthResponse(OpenAIBaseModel):
     status: Literal["ok"] = "ok"
 
 
+class SpecDecodeStatsResponse(OpenAIBaseModel):
+    """The `spec_decode` part of GET /stats: vLLM's `spec_decode_*` numbers."""
+
+    num_drafts: int
+    """Draft steps: one per request whose proposals the target checked in a step."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+    """Accepted draft tokens by position in the draft (0 = first)."""
+    acceptance_rate: float
+    """num_accepted_tokens / num_draft_tokens."""
+    mean_acceptance_length: float
+    """Tokens per draft step: 1 + num_accepted_tokens / num_drafts."""
+
+
 class StatsResponse(OpenAIBaseModel):
     """GET /stats: what the engine is doing now, and totals since the start."""
 
@@ -241,3 +256,5 @@ class StatsResponse(OpenAIBaseModel):
     """Requests refused with 503 because the queue was full."""
     peak_running_requests: int
     """Most requests running in one engine step (> 1 means requests were batched)."""
+    spec_decode: SpecDecodeStatsResponse | None = None
+    """Speculative decoding since start (null when the server does not speculate)."""

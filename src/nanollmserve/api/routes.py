@@ -21,6 +21,7 @@ from nanollmserve.api.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    SpecDecodeStatsResponse,
     StatsResponse,
     TokenizeRequest,
     TokenizeResponse,
@@ -108,6 +109,20 @@ async def stats(ctx: Ctx) -> StatsResponse:
         num_requests_failed=snapshot.num_requests_failed,
         num_requests_rejected=ctx.engine.num_requests_rejected,
         peak_running_requests=snapshot.peak_running_requests,
+        spec_decode=_spec_decode_stats(engine.spec_decode),
+    )
+
+
+def _spec_decode_stats(spec) -> SpecDecodeStatsResponse | None:
+    if spec is None:
+        return None
+    return SpecDecodeStatsResponse(
+        num_drafts=spec.num_drafts,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
+        acceptance_rate=spec.acceptance_rate,
+        mean_acceptance_length=spec.mean_acceptance_length,
     )
 
 

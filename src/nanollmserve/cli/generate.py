@@ -81,6 +81,15 @@ def run(args: argparse.Namespace) -> int:
         "device": str(llm.engine.device),
         "dtype": dtype_name(llm.engine.dtype),
     }
+    spec = llm.engine.stats().spec_decode
+    if spec is not None:
+        stats.update(
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_acceptance_rate=round(spec.acceptance_rate, 4),
+            spec_decode_mean_acceptance_length=round(spec.mean_acceptance_length, 3),
+        )
     if args.json:
         print(json.dumps({"text": completion.text, **stats}))
         return 0

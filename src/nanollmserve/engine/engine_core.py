@@ -24,6 +24,7 @@ from nanollmserve.engine.model_loading import LoadedModel, load_engine_model
 from nanollmserve.engine.model_runner import ModelRunner
 from nanollmserve.engine.request import Request, RequestStatus
 from nanollmserve.engine.scheduler import Scheduler
+from nanollmserve.engine.spec_decode.proposer import make_speculative_decoder
 from nanollmserve.engine.stats import EngineCounters, EngineStats, StepStats
 from nanollmserve.errors import UserError
 
@@ -85,7 +86,8 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.tensor_parallel.start_workers(self.num_kv_blocks)
             self.model_runner.step_sender = self.tensor_parallel.send_step
-        self.counters = EngineCounters()
+        self.spec_decoder = make_speculative_decoder(config, self.loaded, self.num_kv_blocks)
+        self.counters = EngineCounters(spec_decode=self.spec_decoder is not None)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, core_request: EngineCoreRequest) -> None:
@@ -123,6 +125,8 @@ class EngineCore:
 
     # -- the loop body --------------------------------------------------------------------
     def step(self) -> EngineStepResult:
+        if self.spec_decoder is not None:  # drafts for the decoding requests
+            self.spec_decoder.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         self.counters.record_schedule(scheduled)
         outputs: list[EngineCoreOutput] = []
@@ -167,6 +171,8 @@ class EngineCore:
         wrote to the KV cache (and the prefix hashes registered for it) cannot be trusted.
         The model, the KV tensor and the counters stay."""
         self._make_scheduler()
+        if self.spec_decoder is not None:
+            self.spec_decoder.reset()
 
     def _make_scheduler(self) -> None:
         config = self.config

@@ -185,6 +185,19 @@ class KVCacheManager:
             self._register_full_blocks(request, held)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep slots for the first `num_tokens` tokens only, giving whole blocks past them
+        back (speculative decoding: the slots of rejected draft tokens). Blocks past them
+        were never registered in the prefix cache: only blocks of accepted tokens are."""
+        held = self.req_blocks.get(request.request_id)
+        if held is None or num_tokens >= held.num_tokens:
+            return
+        held.num_tokens = num_tokens
+        num_kept = -(-num_tokens // self.block_size)
+        if len(held.blocks) > num_kept:
+            self.pool.free(list(reversed(held.blocks[num_kept:])))
+            del held.blocks[num_kept:]
+
     def free(self, request: Request) -> None:
         held = self.req_blocks.pop(request.request_id, None)
         if held is not None:
@@ -208,7 +221,8 @@ class KVCacheManager:
         )
 
     def _register_full_blocks(self, request: Request, held: RequestBlocks) -> None:
-        num_full = held.num_tokens // self.block_size
+        # Slots past the request's tokens hold draft tokens, not accepted yet: never cached.
+        num_full = min(held.num_tokens, request.num_tokens) // self.block_size
         if num_full <= held.num_registered:
             return
         self._extend_block_hashes(request, num_full)

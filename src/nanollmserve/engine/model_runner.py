@@ -7,6 +7,11 @@ batch (input ids, positions, slot mapping, block tables) with tensor ops over re
 a Python loop over tokens, sets the attention context, runs the model on the flat batch,
 computes logits only at the positions that sample, and samples. A one-token step runs its
 matmuls on the CPU kernel that is fastest for one row (`layers/cpu_matmul.py`).
+
+Speculative decoding: a request with draft tokens in `scheduled.spec_token_ids` runs its last
+token and its k drafts as one span; the target samples a token at each of those k + 1
+positions and `engine/spec_decode/rejection_sampler.py` keeps the accepted prefix, so a
+request may emit several tokens in one step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 from nanollmserve.engine.messages import SampledToken, TokenLogprobs
 from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
+from nanollmserve.engine.spec_decode.rejection_sampler import num_accepted
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.attention_context import (
     AttentionContext,
@@ -66,20 +72,32 @@ class ModelRunner:
         """Rank 0 of a tensor-parallel group: sends each step to the other ranks."""
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: SchedulerOutput) -> list[SampledToken | None]:
-        """One token (or None: a prefill chunk short of the prompt's end) per request."""
+    def execute_model(self, scheduled: SchedulerOutput) -> list[list[SampledToken]]:
+        """The tokens each request emits: one, none (a prefill chunk short of the prompt's
+        end) or, with draft tokens, the accepted drafts and one more."""
         input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
         logits = self.run_model(input_ids, positions, logits_indices if sample_rows else None)
         if logits is None:
-            return [None] * len(scheduled.requests)
-        sample_requests = [scheduled.requests[i] for i in sample_rows]
+            return [[] for _ in scheduled.requests]
+        # One logits row per sampled position: k + 1 for a request with k drafts.
+        drafts = [
+            scheduled.spec_token_ids.get(scheduled.requests[i].request_id, ()) for i in sample_rows
+        ]
+        sample_requests = [
+            scheduled.requests[i]
+            for i, d in zip(sample_rows, drafts, strict=True)
+            for _ in range(len(d) + 1)
+        ]
         meta = self._sampling_metadata(sample_requests, logits.shape[1])
-        sampled = self.sampler(logits, meta)
-        results: list[SampledToken | None] = [None] * len(scheduled.requests)
-        for row, token in zip(
-            sample_rows, _to_sampled_tokens(sampled, sample_requests), strict=True
-        ):
-            results[row] = token
+        tokens = _to_sampled_tokens(self.sampler(logits, meta), sample_requests)
+        results: list[list[SampledToken]] = [[] for _ in scheduled.requests]
+        first = 0
+        for row, draft in zip(sample_rows, drafts, strict=True):
+            targets = tokens[first : first + len(draft) + 1]
+            first += len(draft) + 1
+            if draft:
+                targets = targets[: num_accepted(draft, [t.token_id for t in targets]) + 1]
+            results[row] = targets
         return results
 
     @torch.inference_mode()
@@ -106,9 +124,14 @@ class ModelRunner:
     def _prepare_inputs(self, scheduled: SchedulerOutput):
         requests, num_new = scheduled.requests, scheduled.num_new_tokens
         starts = [r.num_computed_tokens for r in requests]
+        spec = scheduled.spec_token_ids
+        num_drafts = [len(spec.get(r.request_id, ())) for r in requests]
         token_ids: list[int] = []
-        for request, start, n in zip(requests, starts, num_new, strict=True):
-            token_ids.extend(request.all_token_ids[start : start + n])
+        for request, start, n, k in zip(requests, starts, num_new, num_drafts, strict=True):
+            if k:  # the last token, then the drafts
+                token_ids.extend(request.all_token_ids[start:] + spec[request.request_id])
+            else:
+                token_ids.extend(request.all_token_ids[start : start + n])
 
         bs = self.block_size
         lens = torch.tensor(num_new)
@@ -148,10 +171,15 @@ class ModelRunner:
 
         sample_rows = [
             i
-            for i, (r, start, n) in enumerate(zip(requests, starts, num_new, strict=True))
-            if start + n == r.num_tokens
+            for i, (r, start, n, k) in enumerate(
+                zip(requests, starts, num_new, num_drafts, strict=True)
+            )
+            if start + n == r.num_tokens + k
         ]
-        logits_indices = torch.tensor([ends_list[i] - 1 for i in sample_rows], device=self.device)
+        logits_indices = torch.tensor(
+            [p for i in sample_rows for p in range(ends_list[i] - 1 - num_drafts[i], ends_list[i])],
+            device=self.device,
+        )
         input_ids_t = torch.tensor(token_ids, device=self.device)
         return input_ids_t, positions.to(self.device), sample_rows, logits_indices
 

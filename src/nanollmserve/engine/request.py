@@ -71,6 +71,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, grown lazily
+        # Draft tokens for the next step (speculative decoding), moved by the scheduler into
+        # its SchedulerOutput.
+        self.spec_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
         self.last_token_time: float | None = None  # when its latest token was sampled
         # Set by the model runner on first use, on its device (seeded requests only).

@@ -10,6 +10,12 @@ When the pool has no block for a running request, the newest running request is 
 its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 later (its computed blocks often survive in the prefix cache).
 
+Speculative decoding: a running request may carry draft tokens (`Request.spec_token_ids`, set
+by the proposer before the step); it is budgeted its last token plus the drafts (fewer drafts
+if the budget is short) and gets KV slots for all of them. After the step, the positions of
+rejected drafts are given back (`KVCacheManager.trim`): the cache and the prefix hashes only
+ever hold accepted tokens.
+
 The scheduler keeps no counters: what a step did (preemptions, prefix-cache lookups, blocks
 in use, tokens produced, inter-token latencies) goes out in its `SchedulerOutput` and
 `StepStats`, and `EngineCore` keeps the totals (`engine/stats.py`).
@@ -38,6 +44,8 @@ class SchedulerOutput:
     """Each request's block table, with this step's slots allocated."""
     num_decodes: int = 0
     """The first `num_decodes` requests run one token each."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Request id -> draft tokens scheduled after its last token (speculative decoding)."""
     num_preempted: int = 0
     prefix_cache_queries: int = 0
     """Tokens of the requests admitted for the first time (0 with prefix caching off)."""
@@ -88,7 +96,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            num_new = min(num_left + len(drafts), budget)
+            drafts = drafts[: max(0, num_new - num_left)]
             while not self._allocate(out, request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
@@ -97,6 +108,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append((request, num_new))
+                if drafts:
+                    out.spec_token_ids[request.request_id] = drafts
                 budget -= num_new
                 index += 1
 
@@ -154,34 +167,49 @@ class Scheduler:
         return True
 
     def update_from_output(
-        self, scheduled: SchedulerOutput, sampled: list[SampledToken | None]
+        self, scheduled: SchedulerOutput, sampled: list[list[SampledToken]]
     ) -> tuple[list[EngineCoreOutput], StepStats]:
-        """Advance each request by what ran, append sampled tokens, finish what is done.
-        Returns the outputs and what the step did."""
+        """Advance each request by what ran, append the tokens it emitted (one, or with
+        drafts the accepted ones and one more), finish what is done. Returns the outputs and
+        what the step did."""
         outputs = []
         now = time.time()
         step = StepStats(scheduled.total_num_tokens)
-        for request, num_new, sample in zip(
+        for request, num_new, samples in zip(
             scheduled.requests, scheduled.num_new_tokens, sampled, strict=True
         ):
+            drafts = scheduled.spec_token_ids.get(request.request_id)
+            if drafts:
+                num_rejected = len(drafts) + 1 - len(samples)
+                step.spec_decode.observe_draft(len(drafts), len(drafts) - num_rejected)
+                num_new -= num_rejected
             request.num_computed_tokens += num_new
-            if sample is None:  # a prefill chunk that did not reach the end of the prompt
+            if drafts:  # rejected drafts' slots go back: the cache holds accepted tokens only
+                self.kv_cache.trim(request, request.num_computed_tokens)
+            if not samples:  # a prefill chunk that did not reach the end of the prompt
                 continue
-            request.append_token(sample.token_id)
-            step.num_generation_tokens += 1
+            status = None
+            new_token_ids = []
+            for sample in samples:
+                request.append_token(sample.token_id)
+                new_token_ids.append(sample.token_id)
+                status = self._check_stop(request, sample.token_id)
+                if status is not None:  # drop tokens past a stop or max_tokens
+                    break
+            new_logprobs = [s.logprobs for s in samples[: len(new_token_ids)]]
+            step.num_generation_tokens += len(new_token_ids)
             if request.last_token_time is not None:
                 step.inter_token_latencies.append(now - request.last_token_time)
             request.last_token_time = now
-            if request.num_output_tokens == 1:
+            if request.num_output_tokens == len(new_token_ids):
                 step.num_prompt_tokens += request.num_prompt_tokens
-            status = self._check_stop(request, sample.token_id)
             if status is not None:
                 self.finish(request, status)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[sample.token_id],
-                    new_logprobs=[sample.logprobs] if sample.logprobs else None,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs if new_logprobs[0] else None,
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
@@ -215,6 +243,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

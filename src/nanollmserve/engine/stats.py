@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from nanollmserve.engine.kv_cache import KVCacheStats
+from nanollmserve.engine.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from nanollmserve.engine.scheduler import SchedulerOutput
@@ -31,6 +32,8 @@ class StepStats:
     """Prompt tokens of the requests that produced their first token in this step."""
     num_generation_tokens: int = 0
     """Tokens sampled in this step."""
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    """Draft tokens checked and accepted in this step (speculative decoding)."""
 
 
 @dataclass
@@ -49,6 +52,8 @@ class EngineStats:
     num_generation_tokens: int
     last_step: StepStats | None = None
     """The latest step (None before the first); observers read it in `on_step`."""
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding totals (None when the engine does not speculate)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -60,7 +65,8 @@ class EngineStats:
 class EngineCounters:
     """The engine's totals since start, fed by each step."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec_decode: bool = False) -> None:
+        self.spec_decode = SpecDecodeStats() if spec_decode else None
         self.num_steps = 0
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up (first admission of a request)
@@ -80,6 +86,8 @@ class EngineCounters:
         self.num_steps += 1
         self.num_prompt_tokens += step.num_prompt_tokens
         self.num_generation_tokens += step.num_generation_tokens
+        if self.spec_decode is not None:
+            self.spec_decode.add(step.spec_decode)
         self.last_step = step
 
     def snapshot(self, running: int, waiting: int, kv_cache: KVCacheStats) -> EngineStats:
@@ -94,4 +102,5 @@ class EngineCounters:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             last_step=self.last_step,
+            spec_decode=self.spec_decode.copy() if self.spec_decode is not None else None,
         )

@@ -55,21 +55,23 @@ class ChildState:
         self.finish_sent = False
 
     def add(self, out: EngineCoreOutput) -> bool:
-        """Take one engine output; True when a stop string finished this child here."""
-        text_len_before = len(self.text)
+        """Take one engine output; True when a stop string finished this child here. Stop
+        strings are checked token by token, so tokens after the one completing a stop
+        string (several arrive at once with speculative decoding) are dropped."""
         for i, token_id in enumerate(out.new_token_ids):
+            text_len_before = len(self.text)
             self.token_ids.append(token_id)
             self.text += self.detokenizer.add_token(token_id)
             if self.logprobs is not None and out.new_logprobs:
                 self._add_logprobs(out.new_logprobs[i])
+            if (
+                self.params.stop
+                and len(self.token_ids) > self.params.min_tokens
+                and self._find_stop_string(text_len_before)
+            ):
+                return not out.finished
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        if (
-            self.params.stop
-            and len(self.token_ids) > self.params.min_tokens
-            and self._find_stop_string(text_len_before)
-        ):
-            return not out.finished
         return False
 
     def visible_text(self) -> str:

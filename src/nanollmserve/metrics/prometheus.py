@@ -8,7 +8,9 @@ latest stats snapshot when Prometheus scrapes, so they are right even when no st
 (an abort while idle frees blocks without a step).
 
 Names follow vLLM (`nanollmserve:` prefix, label `model_name`), plus the three
-`inference_*` names of the simple API. Every metric lives in the instance's own registry, so
+`inference_*` names of the simple API. An engine that speculates also exports vLLM's
+`spec_decode_*` counters (drafts, draft tokens, accepted tokens, accepted tokens by position).
+ Every metric lives in the instance's own registry, so
 several servers (or tests) in one process never clash.
 
     metrics = ServerMetrics("my-model", lambda: engine.stats().engine)
@@ -30,6 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from nanollmserve.engine.spec_decode.stats import SpecDecodeStats
 from nanollmserve.engine.stats import EngineStats
 from nanollmserve.outputs import RequestOutput
 
@@ -55,6 +58,18 @@ ENGINE_COUNTERS = {
     "prefix_cache_hits": "nanollmserve:prefix_cache_hits_total",
 }
 SUCCESS_REASONS = ("stop", "length")
+# Speculative decoding totals exported as counters: SpecDecodeStats field -> name and help.
+SPEC_DECODE_COUNTERS = {
+    "num_drafts": (
+        "nanollmserve:spec_decode_num_drafts",
+        "Draft steps: one per request whose proposals the target checked in a step.",
+    ),
+    "num_draft_tokens": ("nanollmserve:spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "num_accepted_tokens": (
+        "nanollmserve:spec_decode_num_accepted_tokens",
+        "Draft tokens the target accepted.",
+    ),
+}
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -79,7 +94,10 @@ class ServerMetrics:
         disable_created_metrics()  # no `*_created` series beside each counter/histogram
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
+        self._labels = labels
         self._last_totals = dict.fromkeys(ENGINE_COUNTERS, 0)
+        self._spec_counters: dict[str, Counter] | None = None  # made at the first draft step
+        self._spec_totals: dict = {}
 
         def gauge(name: str, doc: str, read: Callable[[EngineStats], float]) -> None:
             child = Gauge(name, doc, ["model_name"], registry=self.registry).labels(**labels)
@@ -189,11 +207,40 @@ class ServerMetrics:
                 if field == "num_generation_tokens":
                     self._simple_tokens.inc(delta)
             self._last_totals[field] = total
+        if stats.spec_decode is not None:
+            self._count_spec_decode(stats.spec_decode)
         step = stats.last_step
         if step is not None:
             self._step_tokens.observe(step.num_scheduled_tokens)
             for latency in step.inter_token_latencies:
                 self._itl.observe(latency)
+
+    def _count_spec_decode(self, spec: SpecDecodeStats) -> None:
+        if self._spec_counters is None:
+            self._spec_counters = {
+                field: Counter(name, doc, ["model_name"], registry=self.registry).labels(
+                    **self._labels
+                )
+                for field, (name, doc) in SPEC_DECODE_COUNTERS.items()
+            }
+            self._spec_per_pos = Counter(
+                "nanollmserve:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft (0 = first).",
+                ["model_name", "position"],
+                registry=self.registry,
+            )
+        totals = {field: getattr(spec, field) for field in SPEC_DECODE_COUNTERS}
+        totals.update(
+            {("pos", i): count for i, count in enumerate(spec.num_accepted_tokens_per_pos)}
+        )
+        for key, total in totals.items():
+            delta = total - self._spec_totals.get(key, 0)
+            if delta > 0:
+                if isinstance(key, tuple):
+                    self._spec_per_pos.labels(position=str(key[1]), **self._labels).inc(delta)
+                else:
+                    self._spec_counters[key].inc(delta)
+            self._spec_totals[key] = total
 
     def on_request_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics

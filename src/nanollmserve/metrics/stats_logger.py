@@ -36,7 +36,18 @@ def format_stats_line(previous: EngineStats | None, current: EngineStats, elapse
         f"kv_usage={current.kv_cache.usage:.1%} "
         f"prompt={rate('num_prompt_tokens'):.1f} tok/s "
         f"generation={rate('num_generation_tokens'):.1f} tok/s "
-        f"prefix_cache_hit_rate={current.prefix_cache_hit_rate:.1%}"
+        f"prefix_cache_hit_rate={current.prefix_cache_hit_rate:.1%}" + _spec_decode_part(current)
+    )
+
+
+def _spec_decode_part(stats: EngineStats) -> str:
+    """Speculative decoding since start, when the engine speculates."""
+    spec = stats.spec_decode
+    if spec is None:
+        return ""
+    return (
+        f" spec_decode_acceptance_rate={spec.acceptance_rate:.1%}"
+        f" mean_acceptance_length={spec.mean_acceptance_length:.2f}"
     )
 
 
