@@ -80,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--ignore-eos", action="store_true", default=None)
     load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--top-p", type=float, default=1.0, help="sent when below 1")
     arrival = p.add_argument_group("arrival")
     arrival.add_argument("--max-concurrency", type=int, default=None)
     arrival.add_argument("--request-rate", type=float, default=math.inf, help="Poisson, req/s")
@@ -217,6 +218,7 @@ async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, l
         "prompt_format": args.prompt_format,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "request_rate": None if args.request_rate == math.inf else args.request_rate,
         "seed": args.seed,
     }
@@ -260,8 +262,12 @@ def make_backend(args, name: str, base_url: str, grpc_target: str | None):
             raise UserError("--backend grpc with --base-url needs --grpc-target HOST:PORT")
         backend = GrpcBackend(grpc_target, args.endpoint, args.api_key, stats_url=base_url)
         backend.extra = {"temperature": args.temperature, "ignore_eos": bool(args.ignore_eos)}
+        if args.top_p < 1:
+            backend.extra["top_p"] = args.top_p
         return backend
     extra: dict = {"temperature": args.temperature}
+    if args.top_p < 1:
+        extra["top_p"] = args.top_p
     if args.ignore_eos:
         # ignore_eos: vLLM, nanollmserve, llama.cpp's own server. llama-cpp-python has no
         # such field (it ignores it) but honours min_tokens, set to max_tokens per request.

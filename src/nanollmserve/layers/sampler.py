@@ -1,10 +1,13 @@
 """The sampler: logits of the rows that sample this step -> one token per row (+ logprobs).
 
 Everything is vectorized across the batch; per-row Python is limited to building the
-metadata (once per request, not per token) and to drawing noise for seeded rows. Sampling is
-the "exponential race" (argmax of probs / Exp(1) noise), an exact categorical draw that lets
-each seeded row draw its noise from its own generator, so a seeded request samples the same
-tokens whatever else is in the batch.
+metadata (once per request, not per token) and to drawing the uniform of seeded rows.
+Sampling is an inverse-CDF draw: one uniform number per row, a cumulative sum of the kept
+probabilities in token-id order and a binary search, an exact categorical draw. Seeded rows
+draw their number from their own generator, so a seeded request samples the same tokens
+whatever else is in the batch. top-k / top-p / min-p look for the kept set among each row's
+most likely tokens (`torch.topk`, growing); only a row whose kept set is larger sorts its
+whole vocabulary.
 
 Order of processing: logit_bias, min_tokens (stop tokens masked), penalties, then for
 non-greedy rows temperature, top-k, top-p, min-p. Logprobs are those of the raw model
@@ -54,6 +57,11 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # [S]: rank of the sampled token (1 = most likely)
 
 
+# Candidate-set sizes tried in turn by a row with top-k/top-p/min-p before it sorts its
+# whole vocabulary.
+CANDIDATES = (64, 256, 1024)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
@@ -87,23 +95,145 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        u = self._uniforms(logits.shape[0], meta.generators, logits.device)
         greedy = meta.temperature == 0
-        temperature = torch.where(greedy, 1.0, meta.temperature)
-        greedy_tokens = logits.argmax(dim=-1)
-        logits = logits / temperature[:, None]
-        if meta.top_k is not None:
-            logits = _apply_top_k(logits, meta.top_k, meta.max_top_k)
-        if meta.top_p is not None:
-            logits = _apply_top_p(logits, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if meta.min_p is not None:
-            keep = probs >= meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs * keep  # renormalizing is unnecessary for an argmax race
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        rows = None if not bool(greedy.any()) else torch.nonzero(~greedy).squeeze(1)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or rows is None else t[rows]
+
+        x = take(logits) / take(meta.temperature)[:, None]
+        sampled = _draw(x, take(u), take(meta.top_k), take(meta.top_p), take(meta.min_p))
+        if rows is None:
+            return sampled
+        tokens = logits.argmax(dim=-1)  # the greedy rows' tokens; sampled rows overwritten
+        return tokens.index_copy_(0, rows, sampled)
+
+    def _uniforms(
+        self, num_rows: int, generators: dict[int, torch.Generator], device: torch.device
+    ) -> torch.Tensor:
+        """One uniform number in [0, 1) per row (float64): seeded rows take theirs from
+        their own generator, the rest from the sampler's."""
+        u = torch.rand(num_rows, generator=self.generator, device=device, dtype=torch.float64)
+        for row, generator in generators.items():
+            u[row : row + 1] = torch.rand(1, generator=generator, device=device, dtype=u.dtype)
+        return u
+
+
+def _draw(
+    x: torch.Tensor,
+    u: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per row of the temperature-scaled logits `x`, drawn with the row's uniform
+    `u` from softmax(x) restricted by top-k, then top-p, then min-p.
+
+    A row without filters draws over the whole vocabulary. A filtered row first looks for
+    its kept set among its `CANDIDATES[i]` most likely tokens (growing); only a row whose
+    kept set reaches past the largest candidate set sorts its whole vocabulary. Every path
+    keeps the same set (a threshold on the logit) and draws over it in token-id order, so
+    a row samples the same token whatever path it takes and whatever else is in the batch.
+    """
+    num_rows, vocab_size = x.shape
+    probs = torch.softmax(x, dim=-1)
+    filtered = torch.zeros(num_rows, dtype=torch.bool, device=x.device)
+    if top_k is not None:
+        filtered |= (top_k > 0) & (top_k < vocab_size)
+    if top_p is not None:
+        filtered |= top_p < 1
+    if min_p is not None:
+        filtered |= min_p > 0
+    if not bool(filtered.any()):
+        return _inverse_cdf(probs, u)
+
+    tokens = torch.empty(num_rows, dtype=torch.long, device=x.device)
+    whole = torch.nonzero(~filtered).squeeze(1)
+    if whole.numel():
+        tokens[whole] = _inverse_cdf(probs[whole], u[whole])
+    pending = torch.nonzero(filtered).squeeze(1)
+    for k in CANDIDATES:
+        if not pending.numel():
+            return tokens
+        k = min(k, vocab_size)
+        values, ids = _take(x, pending).topk(k, dim=-1)
+        candidate_probs = _take(probs, pending).gather(1, ids)
+        params = [None if p is None else p[pending] for p in (top_k, top_p, min_p)]
+        threshold, covered = _threshold(values, candidate_probs, *params)
+        if k == vocab_size:
+            covered[:] = True
+        # Covered rows draw over their kept candidates, in token-id order.
+        order = ids.argsort(dim=-1)
+        ids, values = ids.gather(1, order), values.gather(1, order)
+        kept_probs = candidate_probs.gather(1, order) * (values >= threshold)
+        drawn = ids.gather(1, _inverse_cdf(kept_probs, u[pending])[:, None]).squeeze(1)
+        tokens[pending[covered]] = drawn[covered]
+        pending = pending[~covered]
+    if pending.numel():
+        # The exact path: the rows left sort their whole vocabulary.
+        rows_x = _take(x, pending)
+        values, ids = rows_x.sort(dim=-1, descending=True)
+        rows_probs = _take(probs, pending)
+        params = [None if p is None else p[pending] for p in (top_k, top_p, min_p)]
+        threshold, _ = _threshold(values, rows_probs.gather(1, ids), *params)
+        tokens[pending] = _inverse_cdf(rows_probs * (rows_x >= threshold), u[pending])
+    return tokens
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`t[rows]`, without a copy when `rows` (ascending) are all of t's rows."""
+    return t if rows.numel() == t.shape[0] else t[rows]
+
+
+def _threshold(
+    values: torch.Tensor,
+    probs: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest logit each row keeps (`[R, 1]`; every token at or above it is kept, ties
+    included) and whether the candidates cover the kept set (`[R]`), from the candidates'
+    logits `values` sorted in descending order and their probabilities under the whole
+    vocabulary's softmax.
+
+    top-k keeps the k best; top-p then drops a token once the more likely kept tokens
+    already cover top_p of the kept mass; min-p drops probabilities below min_p times the
+    row's largest.
+    """
+    num_rows, k = values.shape
+    keep = torch.ones_like(values, dtype=torch.bool)
+    known = torch.ones(num_rows, dtype=torch.bool, device=values.device)
+    mass = torch.ones(num_rows, 1, dtype=probs.dtype, device=values.device)
+    if top_k is not None:
+        active = (top_k > 0)[:, None]
+        kth = values.gather(1, (top_k.clamp(1, k) - 1)[:, None])
+        keep &= ~active | (values >= kth)
+        known &= (top_k <= k) | (top_k == 0)  # the k-th best is among the candidates
+    if top_p is not None:
+        kept_probs = probs * keep
+        cumulative = kept_probs.cumsum(dim=-1)
+        if top_k is not None:  # top-p renormalizes over what top-k kept
+            mass = torch.where((top_k > 0)[:, None], cumulative[:, -1:], mass)
+        before = cumulative - kept_probs
+        keep &= (before <= top_p[:, None] * mass) | (top_p >= 1)[:, None]
+    if min_p is not None:
+        keep &= probs >= min_p[:, None] * probs[:, :1]
+    num_kept = keep.sum(dim=-1, keepdim=True).clamp(min=1)
+    threshold = values.gather(1, num_kept - 1)
+    # Nothing beyond the candidates is kept when the last candidate is not (or has no mass).
+    covered = known & ((values[:, -1:] < threshold) | (probs[:, -1:] == 0)).squeeze(1)
+    return threshold, covered
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds u * total mass: an exact
+    categorical draw from one uniform number (an entry of mass 0 is never chosen)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -121,24 +251,3 @@ def _apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     logits = logits.clone()
     logits[p.rows] = rows
     return logits
-
-
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Keep each row's top_k logits (ties at the threshold are kept); rows with 0 keep all."""
-    vocab_size = logits.shape[1]
-    max_top_k = min(max_top_k, vocab_size)
-    top_values = logits.topk(max_top_k, dim=-1).values
-    k = torch.where(top_k > 0, top_k.clamp(max=max_top_k), max_top_k)
-    threshold = top_values.gather(1, (k - 1)[:, None])
-    threshold = torch.where(top_k[:, None] > 0, threshold, float("-inf"))
-    return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens before it already cover top_p (the first always stays).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_before > top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
