@@ -15,8 +15,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from nanollmserve.api.protocol_base import OpenAIBaseModel, RequestModel
+from nanollmserve.api.protocol_tools import ChatCompletionMessageToolCall
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
@@ -24,16 +26,6 @@ MAX_INT32 = 2**31 - 1
 """Upper bound of counts and ids in requests, so no value overflows a tensor."""
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class RequestModel(OpenAIBaseModel):
-    """A request body: an undeclared top-level field is a 400 (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -98,15 +90,25 @@ class ChatCompletionContentPartText(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatCompletionContentPartText] | None = None
     name: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+    """An assistant message's calls, sent back in the next turn."""
+    tool_call_id: str | None = None
+    """A `tool` message: the call it answers."""
 
     def to_dict(self) -> dict:
+        """The message as the chat template reads it."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 # -- tokenize / detokenize -------------------------------------------------------------------

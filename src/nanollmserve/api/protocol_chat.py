@@ -1,11 +1,12 @@
 """Protocol models of `/v1/chat/completions`, in OpenAI's order.
 
-Messages are text only (a string or a list of text parts); tools and structured output
-(`response_format` json_object / json_schema) answer 400 "not supported yet". Fields that
-only label or route a request at OpenAI (`user`, `metadata`, `store`, `service_tier`,
-`prompt_cache_key`, `safety_identifier`) or that change nothing for this server's models
-(`parallel_tool_calls` without tools, `reasoning_effort`: the models do not reason) are
-accepted and ignored; any other unknown field is a 400.
+Messages are text (a string or a list of text parts), plus an assistant's `tool_calls` and
+`tool` results; function `tools` and `tool_choice` follow `tool_choice.py`; structured
+output (`response_format` json_object / json_schema) answers 400 "not supported yet".
+Fields that only label or route a request at OpenAI (`user`, `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`) or that change nothing for this
+server's models (`reasoning_effort`: the models do not reason) are accepted and ignored; any
+other unknown field is a 400.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from nanollmserve.api.protocol import (
     SamplingExtensions,
     StreamOptions,
     UsageInfo,
+)
+from nanollmserve.api.protocol_tools import (
+    ChatCompletionMessageToolCall,
+    ChatCompletionToolParam,
+    DeltaToolCall,
+    FunctionDefinition,
+    NamedToolChoice,
+    ToolChoice,
 )
 from nanollmserve.sampling_params import SamplingParams
 
@@ -53,7 +62,7 @@ class _ChatCompletionFields(RequestModel):
     n: int = Field(default=1, ge=1, le=MAX_INT32)
     """At most `--max-n` (128) and `--max-num-seqs`."""
     parallel_tool_calls: bool | None = None
-    """Accepted and ignored: tools are not supported."""
+    """false: `tool_choice` "required" forces exactly one call."""
     presence_penalty: float | None = 0.0
     prompt_cache_key: str | None = None
     """Accepted and ignored: prefix caching needs no key."""
@@ -73,8 +82,9 @@ class _ChatCompletionFields(RequestModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = 1.0
     top_p: float | None = 1.0
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    """Default "auto" with tools ("none" without)."""
     user: str | None = None
     """Accepted and ignored."""
 
@@ -87,14 +97,23 @@ class ChatCompletionRequest(SamplingExtensions, _ChatCompletionFields):
                 f"response_format type {self.response_format.type!r} is not supported yet "
                 "(structured output); use 'text'"
             )
-        if self.tools:
-            return "tools", "tools are not supported yet"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         return None
 
     def message_dicts(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
+
+    def tool_choice_name(self) -> str:
+        """ "none", "auto", "required" or the named function."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice
+
+    def functions(self) -> list[FunctionDefinition]:
+        return [tool.function for tool in self.tools or []]
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params_with(
@@ -124,13 +143,14 @@ class ChatCompletionLogprobs(OpenAIBaseModel):
 class ChatCompletionMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatCompletionMessage
     logprobs: ChatCompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -149,6 +169,7 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
@@ -159,7 +180,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(OpenAIBaseModel):

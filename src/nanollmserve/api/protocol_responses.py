@@ -1,16 +1,12 @@
-"""Protocol models of `/v1/responses` (OpenAI's Responses API), text only.
+"""Protocol models of `/v1/responses` (OpenAI's Responses API).
 
-A request has `instructions` (a system message), `input` (a string or message items) and
-may continue a stored response (`previous_response_id`). The response object and the
-streaming events follow OpenAI's shapes: response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta...,
-response.output_text.done, response.content_part.done, response.output_item.done,
-response.completed.
-
-Fields that only label or route a request at OpenAI (`user`, `metadata`, `service_tier`,
-`prompt_cache_key`, `safety_identifier`) or change nothing without tools or reasoning
-(`parallel_tool_calls`, `tool_choice`, `reasoning`) are accepted and ignored; `background`
-and `include` answer 400 "not supported"; any other unknown field is a 400.
+A request has `instructions` (a system message), `input` (a string or items: messages,
+`function_call`s and `function_call_output`s of earlier turns) and may continue a stored
+response (`previous_response_id`); function `tools` and `tool_choice` work as on chat
+(`tool_choice.py`), written flat (`{"type": "function", "name": ...}`). The response
+object, its output items (`message`, `function_call`) and the streaming events
+(`responses_stream.py`) follow OpenAI's shapes. docs/api/server.md has the parity table:
+every request field, supported, accepted and ignored, or a 400 naming it.
 """
 
 from __future__ import annotations
@@ -18,12 +14,22 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, sampling_params
+from nanollmserve.api.protocol_tools import (
+    ChatCompletionMessageToolCall,
+    FunctionCall,
+    FunctionDefinition,
+)
 from nanollmserve.sampling_params import SamplingParams
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+IGNORED_INCLUDES = ("reasoning.encrypted_content",)
+"""Accepted and ignored: the served models do not reason."""
 
+
+# -- input items -------------------------------------------------------------------------------
 class InputTextPart(OpenAIBaseModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
@@ -34,47 +40,141 @@ class InputMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[InputTextPart]
 
-    def to_dict(self) -> dict:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class FunctionCallItem(OpenAIBaseModel):
+    """A call the model made (an output item, sent back as input in the next turn)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(OpenAIBaseModel):
+    """The result of a call, for the next turn."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, list):
+            return "".join(part.text for part in self.output)
+        return self.output
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+def items_to_messages(items: list[InputItem]) -> list[dict]:
+    """Input items as chat messages: calls join the assistant message just before them (or
+    make one), outputs become `tool` messages."""
+    messages: list[dict] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            function = FunctionCall(name=item.name, arguments=item.arguments)
+            call = ChatCompletionMessageToolCall(id=item.call_id, function=function)
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(call.template_dict())
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return messages
+
+
+# -- tools and formats -------------------------------------------------------------------------
+class FunctionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def definition(self) -> FunctionDefinition:
+        return FunctionDefinition(
+            name=self.name,
+            description=self.description,
+            parameters=self.parameters,
+            strict=self.strict,
+        )
+
+
+class FunctionToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def to_dict(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class TextConfig(OpenAIBaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    """Accepted and ignored (the length follows max_output_tokens and the model)."""
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_obfuscation: bool | None = None
+    """Accepted and ignored: events carry no obfuscation padding."""
 
 
 class ResponsesRequest(RequestModel):
-    model: str | None = None
-    """The served model name; may be left out (there is one model)."""
-    input: str | list[InputMessage]
-    """A list has at most `--max-messages` (1024) items."""
     background: bool | None = None
+    conversation: str | dict | None = None
     include: list[str] | None = None
+    input: str | list[InputItem]
+    """A list has at most `--max-messages` (1024) items."""
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_tool_calls: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    """Accepted and ignored: it bounds built-in tools, and there are none."""
     metadata: dict[str, str] | None = None
+    """At most 16 pairs; keys of at most 64 characters, values of at most 512."""
+    model: str | None = None
+    """The served model name; may be left out (there is one model)."""
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    prompt: dict | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     reasoning: dict | None = None
     """Accepted and ignored: the served models do not reason."""
     safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool = True
     stream: bool = False
+    stream_options: StreamOptions | None = None
     temperature: float | None = 1.0
     text: TextConfig | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     tools: list[dict] | None = None
+    """Function tools; another type (web_search, file_search, ...) is a 400 naming it."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    """With `include: ["message.output_text.logprobs"]`: alternatives per token (at most
+    `--max-logprobs`, 20)."""
     top_p: float | None = 1.0
-    truncation: Literal["disabled"] | None = None
-    """Only "disabled": a conversation longer than the context is a 400, never cut."""
+    truncation: Literal["auto", "disabled"] | None = None
+    """"auto": the oldest turns are dropped until the conversation fits the context;
+    "disabled" (default): a conversation that does not fit is a 400."""
     user: str | None = None
 
     # -- nanollmserve extensions (vLLM names) -------------------------------------------------
@@ -85,24 +185,57 @@ class ResponsesRequest(RequestModel):
         default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
     )
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            if len(value) > 16:
+                raise ValueError("at most 16 key-value pairs")
+            if any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
+                raise ValueError("keys have at most 64 characters, values at most 512")
+        return value
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.text is not None and self.text.format.type != "text":
-            return "text.format", (
-                f"text.format type {self.text.format.type!r} is not supported yet "
-                "(structured output); use 'text'"
-            )
-        if self.tools:
-            return "tools", "tools are not supported yet"
+        """(param, message) of a field asked for that this server does not do."""
         if self.background:
             return "background", "background responses are not supported"
-        if self.include:
-            return "include", "include is not supported (no extra output data)"
+        if self.conversation is not None:
+            return "conversation", (
+                "conversations are not supported; continue a response with previous_response_id"
+            )
+        if self.prompt is not None:
+            return "prompt", "prompt templates are not supported; send input and instructions"
+        for value in self.include or []:
+            if value != LOGPROBS_INCLUDE and value not in IGNORED_INCLUDES:
+                return "include", (
+                    f"include {value!r} is not supported (supported: {LOGPROBS_INCLUDE!r})"
+                )
+        for i, tool in enumerate(self.tools or []):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                return f"tools[{i}].type", (
+                    f"tool type {kind!r} is not supported; only function tools are"
+                )
         return None
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
+
+    def functions(self) -> list[FunctionDefinition]:
+        return [FunctionTool.model_validate(tool).definition() for tool in self.tools or []]
+
+    def tool_choice_name(self) -> str:
+        """ "none", "auto", "required" or the named function."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            return self.tool_choice.name
+        return self.tool_choice
 
     def input_messages(self) -> list[dict]:
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [m.to_dict() for m in self.input]
+        return items_to_messages(self.input)
 
     def to_sampling_params(self) -> SamplingParams:
         return sampling_params(
@@ -111,13 +244,29 @@ class ResponsesRequest(RequestModel):
             top_k=self.top_k,
             seed=self.seed,
             max_tokens=self.max_output_tokens,
+            logprobs=(self.top_logprobs or 0) if self.wants_logprobs() else None,
         )
+
+
+# -- the response ------------------------------------------------------------------------------
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(OpenAIBaseModel):
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[dict] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class OutputMessage(OpenAIBaseModel):
@@ -126,6 +275,9 @@ class OutputMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+OutputItem = OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -149,29 +301,44 @@ class IncompleteDetails(OpenAIBaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(OpenAIBaseModel):
+    code: str
+    message: str
+
+
 class ResponseObject(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["completed", "in_progress", "incomplete", "failed"]
-    error: dict | None = None
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool = True
     temperature: float | None = None
-    text: TextConfig = Field(default_factory=TextConfig)
-    tool_choice: Literal["none", "auto", "required"] = "auto"
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str | dict = "auto"
     tools: list[dict] = Field(default_factory=list)
+    top_logprobs: int | None = None
     top_p: float | None = None
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def output_text(self) -> str:
+        return "".join(
+            part.text
+            for item in self.output
+            if isinstance(item, OutputMessage)
+            for part in item.content
+        )
 
 
 class ResponseDeleted(OpenAIBaseModel):

@@ -44,6 +44,9 @@ class ServerSettings:
     generation_defaults: dict = field(default_factory=dict)
     """Sampling defaults (`--generation-config`: temperature, top_p, ...) for the OpenAI
     requests (completions, chat, responses) that leave the field unset."""
+    tool_call_parser: str | None = None
+    """The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice --tool-call-parser`);
+    None: "auto" with tools is a 400."""
     log_requests: bool = False
     """Log one line per ended request (`nanollmserve serve` turns it on)."""
     log_prompts: bool = False

@@ -4,6 +4,10 @@ with `n` choices, answered as a ChatCompletion or an SSE stream of chunks.
 Streaming: each choice's first chunk carries `role`, then content deltas; only its last
 chunk carries `finish_reason`; with `stream_options.include_usage` a final chunk has the
 usage and no choices; then `data: [DONE]`. Every chunk has the same id.
+
+With tools (`tool_choice.py`), each choice's text goes through the tool parser: calls
+become `message.tool_calls` (streamed as `delta.tool_calls`: id and name first, then
+argument fragments) with finish_reason "tool_calls"; the rest stays content.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from nanollmserve.api.protocol_chat import (
     DeltaMessage,
     TopLogprob,
 )
+from nanollmserve.api.protocol_tools import (
+    ChatCompletionMessageToolCall,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+)
 from nanollmserve.api.serving import (
     ServerContext,
     final_outputs,
@@ -35,6 +45,7 @@ from nanollmserve.api.serving import (
     usage_of_stream,
 )
 from nanollmserve.api.sse import SSE_DONE, sse_error, sse_event, sse_response
+from nanollmserve.api.tool_choice import ToolPlan, ToolStream, plan_tools, with_tool_grammar
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import RequestStream
 from nanollmserve.outputs import Logprob
@@ -50,8 +61,14 @@ async def create_chat_completion(
     unsupported = body.unsupported()
     if unsupported:
         raise bad_request(unsupported[1], unsupported[0])
-    params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
-    prompt_token_ids = await ctx.engine.chat_token_ids(body.message_dicts())
+    plan = plan_tools(
+        body.functions(),
+        body.tool_choice_name(),
+        tool_call_parser=ctx.settings.tool_call_parser,
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
+    params = with_tool_grammar(ctx.make_params(body.to_sampling_params, _PARAM_ALIASES), plan)
+    prompt_token_ids = await ctx.engine.chat_token_ids(body.message_dicts(), plan.template_tools)
     request_id = random_id("chatcmpl-")
     try:
         [stream] = await ctx.add_requests([prompt_token_ids], params, request_id, body.stream)
@@ -61,18 +78,26 @@ async def create_chat_completion(
     top_k = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(stream, body, model, request_id, created, include_usage)
+        chunks = _stream(stream, body, plan, model, request_id, created, include_usage)
         return sse_response(chunks, [stream])
     [output] = await final_outputs(request, [stream])
-    choices = [
-        ChatCompletionResponseChoice(
-            index=choice.index,
-            message=ChatCompletionMessage(content=choice.text),
-            logprobs=_logprobs(choice.logprobs or [], top_k) if body.logprobs else None,
-            finish_reason=finish_reason(choice),
+    choices = []
+    for choice in output.outputs:
+        result = plan.parse(choice.text, finish_reason(choice))
+        calls = [
+            ChatCompletionMessageToolCall(
+                id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)
+            )
+            for call in result.calls
+        ]
+        choices.append(
+            ChatCompletionResponseChoice(
+                index=choice.index,
+                message=ChatCompletionMessage(content=result.content, tool_calls=calls),
+                logprobs=token_logprobs(choice.logprobs or [], top_k) if body.logprobs else None,
+                finish_reason=result.finish_reason,
+            )
         )
-        for choice in output.outputs
-    ]
     response = ChatCompletionResponse(
         id=request_id, created=created, model=model, choices=choices, usage=usage_of([output])
     )
@@ -82,6 +107,7 @@ async def create_chat_completion(
 async def _stream(
     stream: RequestStream,
     body: ChatCompletionRequest,
+    plan: ToolPlan,
     model: str,
     request_id: str,
     created: int,
@@ -96,6 +122,7 @@ async def _stream(
 
     top_k = body.top_logprobs or 0
     totals = StreamTotals()
+    tool_streams = {i: plan.stream() for i in range(body.n)} if plan.parses_calls else {}
     try:
         # The role goes first, in a chunk of its own for every choice.
         yield chunk(
@@ -108,21 +135,14 @@ async def _stream(
         )
         async for step in choice_deltas([stream], totals):
             choice = step.choice
-            logprobs = _logprobs(choice.logprobs or [], top_k) if body.logprobs else None
-            if (
-                not choice.text
-                and step.finish_reason is None
-                and not (logprobs and logprobs.content)
-            ):
+            logprobs = token_logprobs(choice.logprobs or [], top_k) if body.logprobs else None
+            delta, reason = _delta(tool_streams.get(choice.index), choice.text, step.finish_reason)
+            if delta == DeltaMessage() and reason is None and not (logprobs and logprobs.content):
                 continue
-            delta = DeltaMessage(content=choice.text) if choice.text else DeltaMessage()
             yield chunk(
                 [
                     ChatCompletionStreamChoice(
-                        index=choice.index,
-                        delta=delta,
-                        logprobs=logprobs,
-                        finish_reason=step.finish_reason,
+                        index=choice.index, delta=delta, logprobs=logprobs, finish_reason=reason
                     )
                 ]
             )
@@ -135,7 +155,35 @@ async def _stream(
     yield SSE_DONE
 
 
-def _logprobs(entries: list[dict[int, Logprob]], top_k: int) -> ChatCompletionLogprobs:
+def _delta(
+    tools: ToolStream | None, text: str, engine_reason: str | None
+) -> tuple[DeltaMessage, str | None]:
+    """A choice's new text as a delta (content, or tool-call parts) and its finish reason."""
+    if tools is None:
+        return (DeltaMessage(content=text) if text else DeltaMessage()), engine_reason
+    parsed = tools.feed(text)
+    reason = engine_reason
+    if engine_reason is not None:
+        last, reason = tools.finish(engine_reason)
+        parsed.content += last.content
+        parsed.tool_calls += last.tool_calls
+    calls: list[DeltaToolCall] = []
+    for d in parsed.tool_calls:
+        if calls and calls[-1].index == d.index and d.id is None:  # one entry per call
+            calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.arguments
+            continue
+        calls.append(
+            DeltaToolCall(
+                index=d.index,
+                id=d.id,
+                type="function" if d.id else None,
+                function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+            )
+        )
+    return DeltaMessage(content=parsed.content or None, tool_calls=calls or None), reason
+
+
+def token_logprobs(entries: list[dict[int, Logprob]], top_k: int) -> ChatCompletionLogprobs:
     """Per token: the sampled token first, then its `top_k` most likely alternatives."""
     content = []
     for entry in entries:

@@ -74,6 +74,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser (default: off, auto is a 400)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes"],
+        help="how tool calls are read from the model's text (vLLM's names; hermes: "
+        "<tool_call>{...}</tool_call>, Qwen, SmolLM2)",
+    )
+    group.add_argument(
         "--grpc-port",
         type=int,
         default=None,
@@ -198,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     if args.log_stats_interval < 0:
         raise UserError(f"--log-stats-interval must be >= 0, got {args.log_stats_interval}")
     limits_from_args(args)  # a bad limit fails before the model loads
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.model_pos and "model" in args.env_sources:
         args.model = None  # the positional MODEL beats NANOLLMSERVE_MODEL, as a flag would
     config = engine_config_from_args(args)
@@ -250,6 +265,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         metrics_require_auth=args.metrics_require_auth,
         limits=limits_from_args(args),
         generation_defaults=generation_defaults,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,
         allowed_origins=args.cors["allowed_origins"],

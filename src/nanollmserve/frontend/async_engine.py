@@ -228,9 +228,12 @@ class AsyncEngine:
     async def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         return await self._off_loop(self.input_processor.tokenize, prompt)
 
-    async def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        """Render messages with the chat template; a template error is a ParamError."""
-        return await self._off_loop(self._chat_token_ids, messages)
+    async def chat_token_ids(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        """Render messages (and function `tools`) with the chat template; a template error
+        is a ParamError."""
+        return await self._off_loop(self._chat_token_ids, messages, tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._off_loop(self._detokenize, token_ids)
@@ -310,11 +313,11 @@ class AsyncEngine:
         children = self.input_processor.make_requests(request_id, token_ids, params)
         return prompt_text, token_ids, children
 
-    def _chat_token_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_token_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         import jinja2
 
         try:
-            return chat_prompt_token_ids(self.tokenizer, messages, self.chat_template)
+            return chat_prompt_token_ids(self.tokenizer, messages, self.chat_template, tools)
         except jinja2.TemplateError as exc:
             raise ParamError(f"messages: the chat template failed: {exc}", "messages") from None
 

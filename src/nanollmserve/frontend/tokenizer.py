@@ -47,21 +47,39 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             raise ParamError(
                 "messages: content must be a string or a list of text parts", "messages"
             )
-        normalized.append({"role": role, "content": content})
+        entry = {"role": role, "content": content}
+        for key in ("tool_calls", "tool_call_id"):  # assistant calls and tool results
+            if message.get(key) is not None:
+                entry[key] = message[key]
+        normalized.append(entry)
     return normalized
 
 
 def chat_prompt_token_ids(
-    tokenizer, messages: list[dict], chat_template: str | None = None
+    tokenizer,
+    messages: list[dict],
+    chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Render the conversation with the chat template (plus the assistant prefix) and
-    tokenize it; the template already writes the special tokens it needs."""
+    tokenize it; the template already writes the special tokens it needs. `tools` (OpenAI
+    function tools) go to the template as `tools=`; a template that never reads `tools`
+    would drop them silently, so that is a ParamError instead."""
     if not messages:
         raise ParamError("messages must hold at least one message", "messages")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ParamError("this model has no chat template; pass --chat-template FILE", "messages")
+    if tools and "tools" not in template:
+        raise ParamError(
+            "this model's chat template does not render tools; serve it with "
+            "--chat-template FILE of one that does (examples/tool_chat_template_smollm2.jinja "
+            "for ChatML models such as the bundled SmolLM2)",
+            "tools",
+        )
     text = tokenizer.apply_chat_template(
         normalize_messages(messages),
+        tools=tools or None,
         chat_template=chat_template,
         add_generation_prompt=True,
         tokenize=False,
