@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 STARTUP_TIMEOUT_S = 240.0
-WORKER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--served-model-name", "tiny"]
+WORKER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--served-model-name", "tiny"]
 WORKER_ARGS += ["--disable-log-requests"]
 """serve flags of the test workers: the tiny model (tiny_model_dir()), a small KV pool."""
 
@@ -173,6 +173,8 @@ class ClusterProcess:
                 health = httpx.get(f"{self.url}/health", timeout=2)
             except httpx.HTTPError:
                 return False
+            if num_workers == 0:  # only the router itself (503: no healthy worker)
+                return True
             return health.status_code == 200 and health.json()["num_healthy_workers"] == (
                 num_workers
             )

@@ -9,6 +9,7 @@ the last test stops the cluster and checks nothing is left running.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -216,7 +217,9 @@ def test_prefix_policy_sends_a_shared_prefix_to_one_worker(cluster) -> None:
 def test_a_killed_worker_loses_no_request_and_rejoins(cluster) -> None:
     """200 requests at concurrency 16; worker 0 gets `kill -9` in the middle: every request
     succeeds (the router retries what the dead worker had not answered), the router takes it
-    out, the cluster restarts it and the router sends it requests again."""
+    out, the cluster restarts it and the router sends it requests again. Of two long streams
+    open meanwhile (one per worker), the dead worker's ends with an error event, the other
+    one completes."""
     import openai
 
     victim_url, victim_port = cluster.worker_urls[0], cluster.worker_ports[0]
@@ -226,10 +229,23 @@ def test_a_killed_worker_loses_no_request_and_rejoins(cluster) -> None:
     failures = []
     killed = threading.Event()
 
+    streams = []
+
     async def load() -> None:
         client = openai.AsyncOpenAI(
             base_url=f"{cluster.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
         )
+        raw = httpx.AsyncClient(headers=cluster.headers, timeout=120)
+        for _ in range(NUM_WORKERS):  # least_load: one per worker
+            body = {"prompt": "A long story", "max_tokens": 400, "ignore_eos": True}
+            request = raw.build_request(
+                "POST", f"{cluster.url}/v1/completions", json={**body, "stream": True}
+            )
+            response = await raw.send(request, stream=True)
+            chunks = response.aiter_text()
+            streams.append([await anext(chunks), chunks])
+        in_flight = [w["num_in_flight"] for w in cluster.stats()["workers"]]
+        assert in_flight == [1] * NUM_WORKERS
         queue = list(range(200))
 
         async def user() -> None:
@@ -247,7 +263,10 @@ def test_a_killed_worker_loses_no_request_and_rejoins(cluster) -> None:
                     os.kill(victim_pid, signal.SIGKILL)
 
         await asyncio.gather(*(user() for _ in range(16)))
+        for stream in streams:
+            stream[0] += "".join([chunk async for chunk in stream[1]])
         await client.close()
+        await raw.aclose()
 
     marked_down = []
 
@@ -263,6 +282,7 @@ def test_a_killed_worker_loses_no_request_and_rejoins(cluster) -> None:
     watcher.join()
     assert killed.is_set() and marked_down
     assert failures == [] and len(done) == 200
+    assert sorted(_stream_outcome(text) for text, _ in streams) == ["error", "length"]
     # The cluster restarts it; the router takes it back and routes to it again.
     wait_until(lambda: cluster.worker(victim_url)["is_healthy"], 180, "the restarted worker")
     new_pid = pid_listening_as_worker(victim_port)
@@ -272,6 +292,37 @@ def test_a_killed_worker_loses_no_request_and_rejoins(cluster) -> None:
     for i in range(4):
         assert _chat(client, f"after {i}").choices
     assert cluster.worker(victim_url)["num_routed"] > routed_before
+
+
+def _stream_outcome(text: str) -> str:
+    """How an SSE completion stream ended: its finish reason, or "error" for an error event.
+    Every event is whole JSON and the stream ends with [DONE]."""
+    events = [event.removeprefix("data: ") for event in text.split("\n\n") if event.strip()]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    for event in events[:-2]:
+        json.loads(event)
+    if "error" in last:
+        assert last["error"]["code"] == "worker_failed"
+        return "error"
+    return last["choices"][0]["finish_reason"]
+
+
+def test_router_without_a_healthy_worker_answers_503() -> None:
+    port = free_port()
+    with busy_port() as dead:  # listening, never answering: health checks time out
+        router = ClusterProcess.start(
+            "router", port, "--port", str(port), "--worker", f"http://127.0.0.1:{dead}",
+            "--health-interval", "0.5", num_workers=0,
+        )  # fmt: skip
+        try:
+            health = httpx.get(f"{router.url}/health", timeout=10)
+            assert health.status_code == 503
+            assert health.json()["error"]["code"] == "no_healthy_worker"
+            answer = httpx.post(f"{router.url}/v1/completions", json={"prompt": "hi"})
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        finally:
+            assert router.stop() == 0
 
 
 def test_cli_errors_are_one_line() -> None:

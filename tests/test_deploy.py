@@ -16,6 +16,8 @@ import yaml
 from nanollmserve.engine.engine_core import EngineStats
 from nanollmserve.engine.kv_cache import KVCacheStats
 from nanollmserve.metrics import ServerMetrics
+from nanollmserve.router import WorkerPool
+from nanollmserve.router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.milestone("m10")
 
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cluster.yml"]
 DASHBOARD = DEPLOY / "grafana/dashboards/nanollmserve.json"
-METRIC_RE = re.compile(r"\b(?:nanollmserve:[a-z0-9_]+|inference_[a-z0-9_]+)\b")
+METRIC_RE = re.compile(r"\b(?:nanollmserve(?:_router)?:[a-z0-9_]+|inference_[a-z0-9_]+)\b")
 
 
 def compose_command() -> list[str] | None:
@@ -41,7 +43,12 @@ def compose_command() -> list[str] | None:
 def exported_metric_names() -> set[str]:
     kv = KVCacheStats(10, 16, 0, 10, 0, 0, 0, 0)
     metrics = ServerMetrics("m", lambda: EngineStats(0, 0, kv, 0, 0, 0, 0, 0, 0))
-    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+    names = {sample.name for family in metrics.registry.collect() for sample in family.samples}
+    router = RouterMetrics(WorkerPool(["http://worker:8000"]))  # the cluster's router
+    for family in (router.requests, router.failures, router.retries, router.upstream_latency):
+        family.labels("http://worker:8000")
+    router.render()
+    return names | {s.name for family in router.registry.collect() for s in family.samples}
 
 
 @pytest.mark.parametrize("name", COMPOSE_FILES)
@@ -121,6 +128,7 @@ def test_dashboard_queries_name_only_exported_metrics():
     for quantile in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({quantile}," in DASHBOARD.read_text()
     assert "Time to first token" in titles and "Inter-token latency" in titles
+    assert "nanollmserve_router:worker_up" in used and "sum by (instance)" in DASHBOARD.read_text()
 
 
 def test_dockerfile_serves_the_ports_compose_maps():
