@@ -1,0 +1,146 @@
+"""`nanollmserve bench spec-decode`: single-stream TPOT with and without speculative decoding.
+
+One run, two engines on the same weights: one without speculation, one with
+`--speculative-config` (default: ngram, 4 drafts, lookup 2..4). Two workloads, greedy,
+`--output-len` tokens each:
+
+- copy: a chat request to repeat ~`--input-len` tokens of code (this package's KV block
+  pool) exactly, where prompt lookup finds long runs to propose;
+- random: a prompt of `--input-len` random token ids, where it rarely finds any.
+
+Repeats alternate the engines (and which goes first), so load drifting on a shared machine
+hits both alike; each engine first runs an untimed warm-up of each workload. Reported: the
+median TPOT of each engine per workload, the speed-up (TPOT without / with), and the
+acceptance numbers of the timed runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+from nanollmserve.bench.report import add_common_args, emit, log, median, ratio
+from nanollmserve.bench.workload import random_requests
+
+DEFAULT_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "spec-decode", help="TPOT with and without speculative decoding (copy vs random)"
+    )
+    parser.add_argument("--input-len", type=int, default=400, help="prompt tokens (about)")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per engine/workload")
+    add_common_args(parser)
+    parser.set_defaults(func=run)
+
+
+def copy_prompt_token_ids(tokenizer, input_len: int) -> list[int]:
+    """A chat request to repeat ~`input_len` tokens of Python code exactly."""
+    from nanollmserve.engine import kv_cache
+    from nanollmserve.frontend.tokenizer import chat_prompt_token_ids
+
+    code_ids = tokenizer(inspect.getsource(kv_cache.BlockPool)).input_ids[:input_len]
+    code = tokenizer.decode(code_ids)
+    message = f"Repeat this code exactly, with no other text:\n\n```python\n{code}\n```"
+    return chat_prompt_token_ids(tokenizer, [{"role": "user", "content": message}])
+
+
+def cpu_model_name() -> str | None:
+    """The CPU's model name, as `lscpu` prints it (from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from nanollmserve import SamplingParams
+    from nanollmserve.config import engine_config_from_args
+    from nanollmserve.llm import LLM
+    from nanollmserve.model.device import dtype_name
+
+    config = vars(engine_config_from_args(args))
+    spec = config.pop("speculative_config") or DEFAULT_SPEC
+    engines = {"no_spec": LLM(**config), "spec": LLM(**config, speculative_config=spec)}
+    base = engines["no_spec"]
+    copy_ids = copy_prompt_token_ids(base.tokenizer, args.input_len)
+    warmup, *randoms = [
+        r.prompt_token_ids
+        for r in random_requests(
+            args.repeat + 1,
+            (args.input_len,) * 2,
+            (args.output_len,) * 2,
+            base.engine.model_config.vocab_size,
+            seed=0,
+        )
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def tpot(llm: LLM, prompt: list[int]) -> float:
+        m = llm.generate([prompt], params, use_tqdm=False)[0].metrics
+        return (m.last_token_time - m.first_token_time) / (args.output_len - 1)
+
+    log("warm-up: one untimed run of each workload per engine")
+    for llm in engines.values():
+        tpot(llm, copy_ids)
+        tpot(llm, warmup)
+    tpots = {w: {name: [] for name in engines} for w in ("copy", "random")}
+    accepted = {w: [0, 0, 0] for w in tpots}  # drafts, draft tokens, accepted tokens
+    for r in range(args.repeat):
+        log(f"repeat {r + 1}/{args.repeat}")
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for name in order:
+            llm = engines[name]
+            for workload, prompt in (("copy", copy_ids), ("random", randoms[r])):
+                before = llm.engine.stats().spec_decode
+                tpots[workload][name].append(tpot(llm, prompt))
+                after = llm.engine.stats().spec_decode
+                if before is not None:
+                    counts = accepted[workload]
+                    counts[0] += after.num_drafts - before.num_drafts
+                    counts[1] += after.num_draft_tokens - before.num_draft_tokens
+                    counts[2] += after.num_accepted_tokens - before.num_accepted_tokens
+
+    results = {}
+    for workload, by_engine in tpots.items():
+        drafts, draft_tokens, accepted_tokens = accepted[workload]
+        no_spec, with_spec = median(by_engine["no_spec"]), median(by_engine["spec"])
+        results[workload] = {
+            "tpot_ms_no_spec": round(no_spec * 1000, 2),
+            "tpot_ms_spec": round(with_spec * 1000, 2),
+            "speedup": ratio(no_spec, with_spec),
+            "tpot_ms_all": {n: [round(t * 1000, 2) for t in v] for n, v in by_engine.items()},
+            "num_drafts": drafts,
+            "acceptance_rate": round(accepted_tokens / draft_tokens, 3) if draft_tokens else 0.0,
+            "mean_acceptance_length": round(1 + accepted_tokens / drafts, 3) if drafts else 0.0,
+        }
+    return emit(
+        {
+            "benchmark": "spec_decode",
+            "model": base.engine.loaded.source.name,
+            "device": str(base.engine.device),
+            "dtype": dtype_name(base.engine.dtype),
+            "cpu_model": cpu_model_name(),
+            "torch_threads": torch.get_num_threads(),
+            "speculative_config": dict(vars(engines["spec"].config.speculative_config)),
+            "copy_prompt_tokens": len(copy_ids),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "repeat": args.repeat,
+            "results": results,
+        },
+        args,
+    )
