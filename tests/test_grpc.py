@@ -6,6 +6,7 @@ the one engine HTTP also serves."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -138,6 +139,14 @@ def test_batch_generate_keeps_order_and_matches_single_calls(server):
         (lambda c: c.batch_generate([]), "prompts must hold 1 to 256 prompts"),
         (lambda c: c.batch_generate(["a", ""]), "prompts[1] must not be empty"),
         (lambda c: _drain(c.stream("hi", min_p=2)), "min_p must be in [0, 1]"),
+        (
+            lambda c: c.generate("hi", structured_outputs={"regex": "[0-9"}),
+            "invalid regex",
+        ),
+        (
+            lambda c: c.generate("hi", structured_outputs={"regex": "a", "grammar": "b"}),
+            "exactly one of json, regex, choice, grammar or json_object",
+        ),
     ],
 )
 def test_invalid_arguments(server, call, message):
@@ -148,6 +157,27 @@ def test_invalid_arguments(server, call, message):
 
 async def _drain(stream):
     return [chunk async for chunk in stream]
+
+
+@pytest.mark.milestone("m15")
+def test_structured_outputs_constrain_generate_and_stream(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+    async def body(client):
+        choice = await client.generate(
+            "Is the sky blue?", max_tokens=8, structured_outputs={"choice": ["yes", "no"]}
+        )
+        chunks = await _drain(
+            client.stream(
+                "Answer in JSON:", max_tokens=24, structured_outputs={"json": json.dumps(schema)}
+            )
+        )
+        return choice, chunks
+
+    choice, chunks = run(server, body)
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    assert chunks[-1].finish_reason == "stop"
+    assert isinstance(json.loads("".join(c.text for c in chunks))["ok"], bool)
 
 
 def test_wrong_or_missing_key_is_unauthenticated(server):

@@ -30,7 +30,10 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.loaded.model_dir)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.engine.max_model_len, self.engine.model_config.vocab_size
+            self.tokenizer,
+            self.engine.max_model_len,
+            self.engine.model_config.vocab_size,
+            self.engine.eos_token_ids,
         )
         self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()

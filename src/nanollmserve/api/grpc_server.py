@@ -45,6 +45,7 @@ from nanollmserve.frontend.async_engine import (
 )
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.structured_outputs import StructuredOutputsParams
 
 __all__ = ["GenerationServicer", "bind_grpc_server", "serve_grpc", "start_grpc_server"]
 
@@ -118,11 +119,23 @@ def sampling_params(message: pb.SamplingParams) -> SamplingParams:
     kwargs = {
         name: getattr(message, name) for name in OPTIONAL_SAMPLING_FIELDS if message.HasField(name)
     }
+    if message.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = _structured_outputs(message.structured_outputs)
     return SamplingParams(
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         **kwargs,
+    )
+
+
+def _structured_outputs(message: pb.StructuredOutputs) -> StructuredOutputsParams:
+    fields = {name: getattr(message, name) for name in ("json", "regex", "grammar")}
+    return StructuredOutputsParams(
+        **{name: value for name, value in fields.items() if message.HasField(name)},
+        choice=list(message.choice) or None,
+        json_object=message.json_object or None,
+        disable_any_whitespace=message.disable_any_whitespace,
     )
 
 

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from nanollmserve.api.protocol_base import OpenAIBaseModel, RequestModel
 from nanollmserve.api.protocol_tools import ChatCompletionMessageToolCall
+from nanollmserve.api.response_format import GUIDED_FIELDS, requested_structured_outputs
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
@@ -184,6 +185,35 @@ class SamplingExtensions(OpenAIBaseModel):
     skip_special_tokens: bool | None = Field(
         default=None, description="Leave special tokens out of the text (default true)."
     )
+    structured_outputs: dict | None = Field(
+        default=None,
+        description="Constrain the output to one of: json (a JSON schema), regex, choice "
+        "(a list of strings), grammar (EBNF or Lark), json_object (true).",
+    )
+    guided_json: dict | str | None = Field(
+        default=None, description="vLLM's older name for structured_outputs.json."
+    )
+    guided_regex: str | None = Field(
+        default=None, description="vLLM's older name for structured_outputs.regex."
+    )
+    guided_choice: list[str] | None = Field(
+        default=None, description="vLLM's older name for structured_outputs.choice."
+    )
+    guided_grammar: str | None = Field(
+        default=None, description="vLLM's older name for structured_outputs.grammar."
+    )
+
+    def structured_outputs_params(self):
+        """(StructuredOutputsParams or None, the request field that asked for it)."""
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        response_format = getattr(self, "response_format", None)
+        return requested_structured_outputs(self.structured_outputs, guided, response_format)
+
+    def structured_outputs_aliases(self) -> dict[str, str]:
+        """Maps the `structured_outputs` param of an engine error (a schema that does not
+        compile) to the request field the constraint came from."""
+        _, source = self.structured_outputs_params()
+        return {"structured_outputs": source} if source else {}
 
     def sampling_params_with(self, *, max_tokens: int | None, logprobs: int | None):
         """SamplingParams from the OpenAI sampling fields (declared by the request class)
@@ -207,6 +237,7 @@ class SamplingExtensions(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params()[0],
         )
 
 

@@ -37,6 +37,9 @@ from nanollmserve.sampling_params import SamplingParams
 
 
 class ResponseFormat(OpenAIBaseModel):
+    """`json_object`: any JSON object; `json_schema`: `{"name", "schema", "strict"}`, the
+    output validates against `schema` (always held to it, as with strict true)."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict | None = None
 
@@ -92,11 +95,6 @@ class _ChatCompletionFields(RequestModel):
 class ChatCompletionRequest(SamplingExtensions, _ChatCompletionFields):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of a feature this server does not have yet, if one is asked for."""
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", (
-                f"response_format type {self.response_format.type!r} is not supported yet "
-                "(structured output); use 'text'"
-            )
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         return None

@@ -20,6 +20,7 @@ from nanollmserve.api.protocol import (
     TokenId,
     UsageInfo,
 )
+from nanollmserve.api.protocol_chat import ResponseFormat
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class _CompletionFields(RequestModel):
     n: int = Field(default=1, ge=1, le=MAX_INT32)
     """At most `--max-n` (128) and `--max-num-seqs`."""
     presence_penalty: float | None = 0.0
+    response_format: ResponseFormat | None = None
+    """An extension (vLLM): `json_object` or `json_schema`, as on chat completions."""
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False

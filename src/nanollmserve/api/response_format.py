@@ -58,3 +58,45 @@ def structured_outputs_from_response_format(
         return StructuredOutputsParams(json=schema)
     except ParamError as e:
         raise ParamError(e.message, param=param) from None
+
+
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older request fields and the StructuredOutputsParams field each one sets."""
+
+
+def requested_structured_outputs(
+    structured_outputs: dict | None, guided: dict[str, Any], response_format: Any
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The one constraint a completions or chat request asks for, from its vLLM block
+    (`structured_outputs`), vLLM's older `guided_*` fields (`guided` maps each field name to
+    its value, None when unset) or OpenAI's `response_format`, and the request field it came
+    from (to name in a 400). Asking in two of those ways is a 400."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    if structured_outputs is not None:
+        found.append((_params(structured_outputs, "structured_outputs"), "structured_outputs"))
+    guided_set = {name: value for name, value in guided.items() if value is not None}
+    if guided_set:
+        param = next(iter(guided_set))
+        fields = {GUIDED_FIELDS[name]: value for name, value in guided_set.items()}
+        found.append((_params(fields, param), param))
+    from_format = structured_outputs_from_response_format(response_format)
+    if from_format is not None:
+        found.append((from_format, "response_format"))
+    if len(found) > 1:
+        names = [param for _, param in found]
+        raise ParamError(
+            f"give one output constraint, got {' and '.join(names)}", param=found[1][1]
+        )
+    return found[0] if found else (None, None)
+
+
+def _params(fields: Any, param: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams.from_value(fields)
+    except ParamError as e:
+        raise ParamError(e.message, param=param) from None

@@ -73,7 +73,8 @@ async def create_chat_completion(
     try:
         [stream] = await ctx.add_requests([prompt_token_ids], params, request_id, body.stream)
     except ParamError as exc:  # e.g. the rendered conversation is too long
-        raise from_param_error(exc, {"prompt": "messages", **_PARAM_ALIASES}) from None
+        aliases = {"prompt": "messages", **_PARAM_ALIASES, **body.structured_outputs_aliases()}
+        raise from_param_error(exc, aliases) from None
     created = int(time.time())
     top_k = body.top_logprobs or 0
     if body.stream:

@@ -13,7 +13,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanollmserve.api.errors import bad_request
+from nanollmserve.api.errors import bad_request, from_param_error
 from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
 from nanollmserve.api.protocol_completions import (
     CompletionLogprobs,
@@ -29,6 +29,7 @@ from nanollmserve.api.serving import (
     usage_of_stream,
 )
 from nanollmserve.api.sse import SSE_DONE, sse_error, sse_event, sse_response
+from nanollmserve.errors import ParamError
 from nanollmserve.outputs import Logprob, RequestOutput
 
 
@@ -43,7 +44,10 @@ async def create_completion(
     params = ctx.make_params(body.to_sampling_params)
     prompts = body.prompts()
     request_id = random_id("cmpl-")
-    streams = await ctx.add_requests(prompts, params, request_id, body.stream)
+    try:
+        streams = await ctx.add_requests(prompts, params, request_id, body.stream)
+    except ParamError as exc:  # e.g. a JSON schema the grammar engine cannot compile
+        raise from_param_error(exc, body.structured_outputs_aliases()) from None
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

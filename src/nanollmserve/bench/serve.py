@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import random
@@ -80,6 +81,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--ignore-eos", action="store_true", default=None)
     load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="merged into every OpenAI request, e.g. '{\"response_format\": {...}}'",
+    )
     load.add_argument("--top-p", type=float, default=1.0, help="sent when below 1")
     arrival = p.add_argument_group("arrival")
     arrival.add_argument("--max-concurrency", type=int, default=None)
@@ -218,6 +226,7 @@ async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, l
         "prompt_format": args.prompt_format,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
+        "extra_body": args.extra_body,
         "top_p": args.top_p,
         "request_rate": None if args.request_rate == math.inf else args.request_rate,
         "seed": args.seed,
@@ -272,6 +281,7 @@ def make_backend(args, name: str, base_url: str, grpc_target: str | None):
         # ignore_eos: vLLM, nanollmserve, llama.cpp's own server. llama-cpp-python has no
         # such field (it ignores it) but honours min_tokens, set to max_tokens per request.
         extra["ignore_eos"] = True
+    extra.update(args.extra_body or {})
     backend = OpenAIBackend(base_url, args.endpoint, args.api_key, args.prompt_format, extra)
     backend.min_tokens_is_max_tokens = bool(args.ignore_eos)
     return backend

@@ -7,6 +7,7 @@ crosses the runner/scheduler one inside the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nanollmserve.sampling_params import SamplingParams
 
@@ -21,6 +22,9 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
     lora_name: str | None = None
     """The LoRA adapter to run with (None: the base model)."""
+    grammar: Any = None
+    """The compiled grammar of `sampling_params.structured_outputs` (an XGrammar
+    CompiledGrammar, compiled by the frontend), or None."""
 
 
 @dataclass

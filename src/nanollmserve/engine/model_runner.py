@@ -25,6 +25,7 @@ from nanollmserve.engine.messages import SampledToken, TokenLogprobs
 from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
 from nanollmserve.engine.spec_decode.rejection_sampler import num_accepted
+from nanollmserve.engine.structured_output import GrammarBitmask
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.attention_context import (
     AttentionContext,
@@ -68,6 +69,7 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler(seed=seed, device=device)
+        self.grammar_bitmask = GrammarBitmask()
         self.step_sender: Callable[..., None] | None = None
         """Rank 0 of a tensor-parallel group: sends each step to the other ranks."""
 
@@ -89,6 +91,7 @@ class ModelRunner:
             for _ in range(len(d) + 1)
         ]
         meta = self._sampling_metadata(sample_requests, logits.shape[1])
+        self.grammar_bitmask.apply(logits, sample_requests)  # structured output: in place
         tokens = _to_sampled_tokens(self.sampler(logits, meta), sample_requests)
         results: list[list[SampledToken]] = [[] for _ in scheduled.requests]
         first = 0

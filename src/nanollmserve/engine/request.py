@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.engine.structured_output import GrammarState
 
 if TYPE_CHECKING:
     from nanollmserve.engine.lora_adapter import LoRAAdapter
@@ -63,6 +64,8 @@ class Request:
         # Masked by the sampler while fewer than min_tokens are out (built once, not per step).
         self.min_tokens_blocked_ids = tuple(sorted(self.eos_token_ids | self.stop_token_ids))
         self.max_tokens = max_tokens
+        # Structured output: advanced by every appended token; its end finishes the request.
+        self.grammar = GrammarState(core_request.grammar) if core_request.grammar else None
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -100,6 +103,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
 
     def __repr__(self) -> str:
         return (

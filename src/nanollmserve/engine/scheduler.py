@@ -221,6 +221,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.is_finished:
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens > params.min_tokens:  # the sampler masks stops until then
             if token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -178,7 +178,7 @@ class AsyncEngine:
         self.max_num_seqs = config.max_num_seqs
         self.max_queue_len = max_queue_len
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.info.vocab_size
+            self.tokenizer, self.max_model_len, self.info.vocab_size, core.eos_token_ids
         )
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._ids = itertools.count()

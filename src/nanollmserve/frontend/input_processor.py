@@ -10,16 +10,22 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from nanollmserve.engine.grammar_compiler import GrammarCompiler
 from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, stop_token_ids=frozenset()
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # Structured output ends on the model's stop tokens (its EOS ids).
+        stop_ids = sorted(stop_token_ids) or [tokenizer.eos_token_id]
+        self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids)
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -47,10 +53,13 @@ class InputProcessor:
         """One engine request per completion (`n`); child i of a seeded request uses seed + i.
         `lora_name`: the LoRA adapter they all run with (None: the base model)."""
         self.validate(prompt_token_ids, params)
+        grammar = self.compile_grammar(params)
         arrival_time = arrival_time or time.time()
         if params.n == 1:
             return [
-                EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, lora_name)
+                EngineCoreRequest(
+                    request_id, prompt_token_ids, params, arrival_time, lora_name, grammar=grammar
+                )
             ]
         requests = []
         for i in range(params.n):
@@ -59,7 +68,12 @@ class InputProcessor:
                 child_params.seed = params.seed + i
             requests.append(
                 EngineCoreRequest(
-                    child_id(request_id, i), prompt_token_ids, child_params, arrival_time, lora_name
+                    child_id(request_id, i),
+                    prompt_token_ids,
+                    child_params,
+                    arrival_time,
+                    lora_name,
+                    grammar=grammar,
                 )
             )
         return requests
@@ -90,6 +104,13 @@ class InputProcessor:
             raise ParamError(
                 f"stop_token_ids has token id {bad[0]} outside the vocabulary", "stop_token_ids"
             )
+
+    def compile_grammar(self, params: SamplingParams, param: str = "structured_outputs"):
+        """The compiled grammar of `params.structured_outputs` (None without one); a schema,
+        regex or grammar the engine cannot compile raises ParamError naming `param`."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_compiler.compile(params.structured_outputs, param)
 
 
 def child_id(request_id: str, index: int) -> str:
