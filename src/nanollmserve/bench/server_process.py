@@ -2,7 +2,8 @@
 
 `OwnServer(args)` starts `nanollmserve serve --port FREE ARGS...` (bundled model unless ARGS
 name one), waits for `/health`, and is stopped with SIGTERM when the `with` block ends. Its
-log goes to a temp file that is printed if it fails to start.
+log goes to a temp file that is printed if it fails to start. A subclass overrides `command()`
+to run another server the same way (`bench/llamacpp_server.py`).
 """
 
 from __future__ import annotations
@@ -41,16 +42,21 @@ class OwnServer:
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def __enter__(self) -> OwnServer:
+    def command(self) -> list[str]:
+        """The server's command line (a subclass runs another server the same way)."""
         command = [sys.executable, "-m", "nanollmserve.cli.main", "serve"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *self.serve_args]
         if self.grpc_port is not None:
             command += ["--grpc-port", str(self.grpc_port)]
+        return command
+
+    def __enter__(self) -> OwnServer:
+        command = self.command()
         fd, path = tempfile.mkstemp(prefix="nanollmserve-bench-", suffix=".log")
         self.log_path = Path(path)
         env = dict(os.environ)
         env.pop("NANOLLMSERVE_API_KEY", None)
-        log(f"starting: {' '.join(command[1:])}")
+        log(f"starting: {' '.join(command)}")
         self.process = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, env=env)
         os.close(fd)
         try:

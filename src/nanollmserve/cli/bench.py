@@ -14,6 +14,7 @@ BENCH_MODULES = [
     "nanollmserve.bench.ablation",
     "nanollmserve.bench.grammar_mask",
     "nanollmserve.bench.spec_decode",
+    "nanollmserve.bench.quality",
 ]
 
 
