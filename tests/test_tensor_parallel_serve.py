@@ -1,17 +1,22 @@
 """`nanollmserve serve --tensor-parallel-size 2` (m14): a tiny model sharded over two CPU
 processes (gloo) answers the openai SDK as one process does and stops cleanly on SIGTERM;
-a rank that dies takes the server down with a clear log line instead of hanging."""
+a rank that dies takes the server down with a clear log line instead of hanging; started by
+torchrun, the ranks rendezvous through its environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) and rank 0 alone serves."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, free_port
 from test_model_parity import make_tiny_hf_model
 from transformers import AutoTokenizer, LlamaConfig
 
@@ -92,3 +97,29 @@ def test_a_rank_that_dies_takes_the_server_down(tiny_dir: Path) -> None:
     log = server.log()
     assert status == 1, log
     assert f"tensor-parallel rank 1 (pid {pid}) exited with code -9" in log
+
+
+def test_torchrun_ranks_rendezvous_through_the_environment(tiny_dir: Path) -> None:
+    prompt = [5, 6, 7, 8, 9]
+    with LLM(str(tiny_dir), dtype="float32", block_size=8, num_kv_blocks=64) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    port = free_port()
+    log_fd, log_path = tempfile.mkstemp(prefix="nanollmserve-torchrun-", suffix=".log")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "nanollmserve.cli.main", "serve"]
+    command += [str(tiny_dir), "--dtype", "float32", "--port", str(port), *TP_ARGS]
+    process = subprocess.Popen(command, stdout=log_fd, stderr=subprocess.STDOUT)
+    os.close(log_fd)
+    server = LiveServer(process, port, Path(log_path), api_key=None)
+    try:
+        server.wait_ready()
+        assert "tensor parallel: 2 ranks (env://)" in server.log()
+        client = server.openai()
+        completion = client.completions.create(
+            model=tiny_dir.name, prompt=prompt, max_tokens=6, temperature=0.0
+        )
+        assert completion.choices[0].text == expected
+    finally:
+        server.stop(signal.SIGTERM)
+        Path(log_path).unlink(missing_ok=True)
