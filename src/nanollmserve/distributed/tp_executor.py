@@ -15,6 +15,7 @@ rank 0 is fatal too: the ranks are out of step after it.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -134,6 +135,9 @@ class TensorParallelExecutor:
                 self.processes[rank] = process
             self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
             self._monitor.start()
+        # An LLM that is never shut down: stop the ranks before multiprocessing's own exit
+        # handler kills them (atexit runs last-registered first), so no rank looks dead.
+        atexit.register(self.shutdown)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         try:
@@ -195,6 +199,7 @@ class TensorParallelExecutor:
         if self._stopped:
             return
         self._stopped = self._stopping = True
+        atexit.unregister(self.shutdown)
         alive = all(p.is_alive() for p in self.processes.values())
         if self.failure is None and alive and _in_group():
             try:
