@@ -49,8 +49,19 @@ def make_adapter(out_dir: Path, seed: int, rank: int = 8, targets=None, base=Non
     return out_dir
 
 
-def peft_greedy(adapter_dir: Path, prompts_ids: list[list[int]], max_tokens: int, base=None):
-    """transformers + PEFT greedy token ids of each prompt with the adapter."""
+_references: dict[tuple, list[list[int]]] = {}
+
+
+def peft_greedy(adapter_dir: Path, prompts_ids: list[list[int]], max_tokens: int):
+    """transformers + PEFT greedy token ids of each prompt with the adapter (computed once
+    per test process for the same arguments)."""
+    key = (str(adapter_dir), tuple(map(tuple, prompts_ids)), max_tokens)
+    if key not in _references:
+        _references[key] = _peft_greedy(adapter_dir, prompts_ids, max_tokens)
+    return _references[key]
+
+
+def _peft_greedy(adapter_dir: Path, prompts_ids: list[list[int]], max_tokens: int, base=None):
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(base if base is not None else load_base(), adapter_dir)

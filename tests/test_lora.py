@@ -125,3 +125,13 @@ def _adapter_of_another_model(out_dir):
     lora_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     get_peft_model(model, lora_config).save_pretrained(out_dir)
     return out_dir
+
+
+def test_bench_lora_reports_mixed_and_base_only():
+    from bench_cli import run_bench
+
+    args = ["lora", "--num-prompts", "4", "--input-len", "8", "--output-len", "4"]
+    report = run_bench(*args, "--num-adapters", "3", "--dtype", "float32", "--num-kv-blocks", "64")
+    results = report["results"]
+    assert results["mixed"]["output_tokens"] == results["base_only"]["output_tokens"] == 16
+    assert report["num_adapters"] == 3 and report["ratios"]["mixed_vs_base_only"] > 0

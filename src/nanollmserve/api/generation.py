@@ -36,14 +36,18 @@ async def admit(
     params: SamplingParams,
     request_id: str,
     output_kind: OutputKind,
+    lora_name: str | None = None,
 ) -> list[RequestStream]:
     """One engine request per prompt (ids `request_id`, or `request_id-i` for several), all
-    or none: an error admitting one aborts the others and is raised."""
+    or none: an error admitting one aborts the others and is raised. `lora_name`: the LoRA
+    adapter they run with (None: the base model)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await engine.add_request(prompt, params, rid, output_kind))
+            streams.append(
+                await engine.add_request(prompt, params, rid, output_kind, lora_name=lora_name)
+            )
     except BaseException:
         for stream in streams:
             stream.abort()

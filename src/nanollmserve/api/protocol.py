@@ -75,7 +75,9 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "nanollmserve"
     root: str
-    """The model the name serves (its source name)."""
+    """The model the name serves (its source name; a LoRA adapter's directory)."""
+    parent: str | None = None
+    """For a LoRA adapter: the base model it runs on (None for the base model)."""
     max_model_len: int
 
 

@@ -12,7 +12,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from nanollmserve.api import serving_chat, serving_completions, serving_responses, simple_api
+from nanollmserve.api import (
+    serving_chat,
+    serving_completions,
+    serving_lora,
+    serving_responses,
+    simple_api,
+)
 from nanollmserve.api.errors import APIError, bad_request, error_response
 from nanollmserve.api.protocol import (
     DetokenizeRequest,
@@ -130,14 +136,39 @@ def _model_card(ctx: ServerContext, name: str) -> ModelCard:
     return ModelCard(id=name, root=ctx.engine.model_name, max_model_len=ctx.engine.max_model_len)
 
 
+def _lora_card(ctx: ServerContext, name: str, path: str) -> ModelCard:
+    return ModelCard(
+        id=name, root=path, parent=ctx.model_name, max_model_len=ctx.engine.max_model_len
+    )
+
+
 @router.get("/v1/models", response_model=ModelList, tags=["openai"])
 async def list_models(ctx: Ctx) -> ModelList:
-    return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
+    """The base model's names, then the LoRA adapters (`parent`: the base model)."""
+    cards = [_model_card(ctx, name) for name in ctx.model_names]
+    cards += [_lora_card(ctx, name, path) for name, path in ctx.engine.lora_adapters().items()]
+    return ModelList(data=cards)
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, tags=["openai"])
 async def retrieve_model(model: str, ctx: Ctx) -> ModelCard:
-    return _model_card(ctx, ctx.check_model(model))
+    name = ctx.check_model(model)
+    adapters = ctx.engine.lora_adapters()
+    if name in adapters and name not in ctx.model_names:
+        return _lora_card(ctx, name, adapters[name])
+    return _model_card(ctx, name)
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, tags=["lora"])
+async def load_lora_adapter(body: serving_lora.LoadLoRAAdapterRequest, ctx: Ctx):
+    """Load a PEFT adapter directory under a name (needs --allow-runtime-lora-updating)."""
+    return await serving_lora.load_lora_adapter(body, ctx)
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, tags=["lora"])
+async def unload_lora_adapter(body: serving_lora.UnloadLoRAAdapterRequest, ctx: Ctx):
+    """Forget an adapter (needs --allow-runtime-lora-updating); running requests finish."""
+    return serving_lora.unload_lora_adapter(body, ctx)
 
 
 @router.post("/v1/completions", responses=_json_or_sse(CompletionResponse), tags=["openai"])

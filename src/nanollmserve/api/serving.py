@@ -56,6 +56,8 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    allow_runtime_lora_updating: bool = False
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter work (404 otherwise)."""
 
 
 class ServerContext:
@@ -72,10 +74,11 @@ class ServerContext:
         return self.model_names[0]
 
     def check_model(self, model: str | None) -> str:
-        """The name to report for a request's `model` (404 if it is not served here)."""
+        """The name to report for a request's `model` (404 if it is not served here): a
+        served name of the base model or a loaded LoRA adapter's name."""
         if model is None or model == "":
             return self.model_name
-        if model not in self.model_names:
+        if model not in self.model_names and model not in self.engine.lora_adapters():
             raise not_found(f"The model `{model}` does not exist.", "model_not_found", "model")
         return model
 
@@ -119,11 +122,14 @@ class ServerContext:
         params: SamplingParams,
         request_id: str,
         stream: bool = False,
+        model: str | None = None,
     ) -> list[RequestStream]:
         """Admit one request per prompt, all or none: DELTA streams for a streamed response,
-        FINAL_ONLY ones otherwise."""
+        FINAL_ONLY ones otherwise. `model` (checked by `check_model`) naming a LoRA adapter
+        runs them with it."""
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        return await admit(self.engine, prompts, params, request_id, kind)
+        lora_name = None if model in self.model_names else model
+        return await admit(self.engine, prompts, params, request_id, kind, lora_name)
 
 
 def random_id(prefix: str) -> str:

@@ -71,7 +71,9 @@ async def create_chat_completion(
     prompt_token_ids = await ctx.engine.chat_token_ids(body.message_dicts(), plan.template_tools)
     request_id = random_id("chatcmpl-")
     try:
-        [stream] = await ctx.add_requests([prompt_token_ids], params, request_id, body.stream)
+        [stream] = await ctx.add_requests(
+            [prompt_token_ids], params, request_id, body.stream, model=model
+        )
     except ParamError as exc:  # e.g. the rendered conversation is too long
         aliases = {"prompt": "messages", **_PARAM_ALIASES, **body.structured_outputs_aliases()}
         raise from_param_error(exc, aliases) from None

@@ -45,7 +45,7 @@ async def create_completion(
     prompts = body.prompts()
     request_id = random_id("cmpl-")
     try:
-        streams = await ctx.add_requests(prompts, params, request_id, body.stream)
+        streams = await ctx.add_requests(prompts, params, request_id, body.stream, model=model)
     except ParamError as exc:  # e.g. a JSON schema the grammar engine cannot compile
         raise from_param_error(exc, body.structured_outputs_aliases()) from None
     created = int(time.time())

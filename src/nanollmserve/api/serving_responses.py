@@ -76,7 +76,9 @@ async def create_response(
     prompt_token_ids = await _render(ctx, body, system, conversation, plan, params)
     response_id = random_id("resp_")
     try:
-        [stream] = await ctx.add_requests([prompt_token_ids], params, response_id, body.stream)
+        [stream] = await ctx.add_requests(
+            [prompt_token_ids], params, response_id, body.stream, model=model
+        )
     except ParamError as exc:  # e.g. the rendered conversation is too long
         raise from_param_error(exc, {"prompt": "input", **_PARAM_ALIASES}) from None
     template = ResponseObject(

@@ -12,6 +12,7 @@ BENCH_MODULES = [
     "nanollmserve.bench.serve",
     "nanollmserve.bench.prefix",
     "nanollmserve.bench.ablation",
+    "nanollmserve.bench.lora",
     "nanollmserve.bench.grammar_mask",
     "nanollmserve.bench.spec_decode",
     "nanollmserve.bench.quality",

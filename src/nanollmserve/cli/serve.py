@@ -55,6 +55,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="name(s) clients use in `model` (default: the model's name)",
     )
     group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (PEFT directories), each selected by `model`=NAME "
+        "(needs --enable-lora)",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="let clients load and unload LoRA adapters (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter)",
+    )
+    group.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every route but /health "
@@ -221,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
         run_torchrun_worker(config)  # a torchrun rank > 0 runs the model, serves nothing
         return 0
+    args.lora_modules = _lora_modules(args, config)
     args.cors = {name: _json_list(args, name) for name in CORS_FLAGS}
     _check_tls(args)
     if args.generation_config not in ("auto", "vllm"):
@@ -253,6 +268,12 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     engine = await asyncio.to_thread(
         AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
     )
+    try:
+        for name, path in args.lora_modules:
+            await engine.load_lora(name, path)
+    except UserError:
+        await engine.shutdown()
+        raise
     generation_defaults = load_generation_defaults(args.generation_config, engine.info.model_dir)
     logger.info(
         "generation defaults (--generation-config %s): %s",
@@ -272,6 +293,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         allowed_methods=args.cors["allowed_methods"],
         allowed_headers=args.cors["allowed_headers"],
         allow_credentials=args.allow_credentials,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
@@ -372,6 +394,22 @@ def _make_server(config, engine, ready_line, shutdown_timeout: float):
                     signal.signal(sig, handler)
 
     return Server(config)
+
+
+def _lora_modules(args: argparse.Namespace, config) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH ... as (name, path) pairs, checked before the model loads."""
+    modules = []
+    for item in args.lora_modules or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in [m[0] for m in modules] or name in (args.served_model_name or []):
+            raise UserError(f"--lora-modules: the name {name!r} is given twice")
+        modules.append((name, path))
+    if (modules or args.allow_runtime_lora_updating) and not config.enable_lora:
+        flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
+        raise UserError(f"{flag} needs --enable-lora")
+    return modules
 
 
 CORS_FLAGS = ("allowed_origins", "allowed_methods", "allowed_headers")

@@ -37,7 +37,7 @@ from typing import TypeVar
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.engine_core import EngineCore
-from nanollmserve.errors import ParamError
+from nanollmserve.errors import ParamError, UserError
 from nanollmserve.frontend.engine_loop import (
     EngineDeadError,
     EngineLoop,
@@ -245,15 +245,18 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
+        lora_name: str | None = None,
     ) -> RequestStream:
         """Tokenize (off the event loop), validate and admit a request and return its
         stream. Raises ParamError/ValueError (bad input), EngineOverloadedError (queue full)
         or EngineDeadError (stopped) here, before any output, so a server can still answer
-        with an error status."""
+        with an error status. `lora_name`: a loaded LoRA adapter to run with."""
         self._check_accepting()
         request_id = request_id or f"req-{next(self._ids)}"
+        if lora_name is not None and lora_name not in self.lora_adapters():
+            raise ParamError(f"unknown LoRA adapter {lora_name!r}", "model")
         prompt_text, token_ids, children = await self._off_loop(
-            self._prepare, prompt, params, request_id
+            self._prepare, prompt, params, request_id, lora_name
         )
         self._check_accepting()  # it may have stopped while the prompt was tokenized
         stream = RequestStream(self, request_id, len(children))
@@ -283,6 +286,25 @@ class AsyncEngine:
         """Thread-safe; unknown or finished ids are ignored."""
         self.engine_loop.abort(request_id)
 
+    # -- LoRA adapters (`--enable-lora`) --------------------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """Name -> path of the loaded LoRA adapters (empty without --enable-lora)."""
+        manager = self.engine_loop.engine.lora_manager
+        return manager.adapters() if manager is not None else {}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory under `name` (off the event loop); UserError if it
+        cannot be served (LoRA off, name taken, rank, targets, another base model)."""
+        manager = self.engine_loop.engine.lora_manager
+        if manager is None:
+            raise UserError("LoRA adapters are off (start the server with --enable-lora)")
+        await asyncio.to_thread(manager.add_adapter, name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter (requests already running with it finish); False if unknown."""
+        manager = self.engine_loop.engine.lora_manager
+        return manager is not None and manager.remove_adapter(name)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def stop_accepting(self) -> None:
         """New requests now fail with EngineDeadError; running ones go on (signal-safe)."""
@@ -308,9 +330,11 @@ class AsyncEngine:
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
-    def _prepare(self, prompt, params: SamplingParams, request_id: str):
+    def _prepare(self, prompt, params: SamplingParams, request_id: str, lora_name=None):
         prompt_text, token_ids = self.input_processor.tokenize(prompt)
-        children = self.input_processor.make_requests(request_id, token_ids, params)
+        children = self.input_processor.make_requests(
+            request_id, token_ids, params, lora_name=lora_name
+        )
         return prompt_text, token_ids, children
 
     def _chat_token_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
