@@ -136,5 +136,5 @@ def test_truncation_auto_drops_the_oldest_turns(client, server):
 )
 def test_rejected_fields_are_400s_naming_them(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **extra)
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, extra_body=extra)
     assert err.value.body["param"] == param

@@ -80,10 +80,15 @@ def _error(response, status: int) -> dict:
         (
             "/v1/chat/completions",
             {"messages": CHAT, "tools": [{"type": "function"}]},
-            "tools",
-            "not supported",
+            "tools.0.function",
+            "Field required",
         ),
-        ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}}, None, ""),
+        (
+            "/v1/responses",
+            {"input": "hi", "text": {"format": {"type": "json_schema", "schema": 5}}},
+            "text.format",
+            "schema",
+        ),
         ("/generate", {"prompt": "hi", "max_new_tokens": -1}, "max_new_tokens", ""),
         ("/generate", {"prompt": "hi", "max_token": 3}, "max_token", "Unrecognized"),
         ("/v1/chat/completions", {"messages": CHAT * 1025}, "messages", "(--max-messages 1024)"),
