@@ -95,6 +95,10 @@ def test_requests_spread_over_both_workers_and_keys_are_checked(cluster) -> None
     for url in cluster.worker_urls:
         assert f'nanollmserve_router:worker_up{{worker="{url}"}} 1.0' in metrics
         assert f'nanollmserve_router:requests_total{{worker="{url}"}}' in metrics
+    # The playground page comes through the router without the key, as from a worker; its
+    # live panel reads the router's /stats, whose per-worker entries it lists.
+    page = httpx.get(f"{cluster.url}/")
+    assert page.status_code == 200 and 'id="stat-workers"' in page.text
     # A bad request is the worker's 400, passed through with its param.
     bad = httpx.post(
         f"{cluster.url}/v1/completions",

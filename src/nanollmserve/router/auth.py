@@ -1,7 +1,7 @@
-"""The router's API key: with `--api-key`, every route but /health and /metrics needs
-`Authorization: Bearer <key>`; anything else answers 401 in the OpenAI error shape. The key
-is compared in constant time and never logged. (The workers' own check, `api/auth.py`, lives
-in a package that loads the engine, which the router does not.)
+"""The router's API key: with `--api-key`, every route but /health, /metrics and the
+playground page needs `Authorization: Bearer <key>`; anything else answers 401 in the
+OpenAI error shape. The key is compared in constant time and never logged. (The workers'
+own check, `api/auth.py`, lives in a package that loads the engine; the router does not.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanollmserve.router.errors import error_response
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The playground page (served by a worker through the router) holds no data, as on a worker
+# (api/auth.py; not imported: the api package loads the engine).
+PLAYGROUND_PATHS = frozenset({"/", "/static/app.js", "/static/app.css"})
+OPEN_PATHS = frozenset({"/health", "/metrics"}) | PLAYGROUND_PATHS
 
 
 class RouterAPIKeyMiddleware:

@@ -457,9 +457,28 @@ async function pollStats() {
       drawSparkline();
     }
     state.lastStats = { time: now, generated: s.num_generation_tokens };
+    renderWorkers(s.workers);
   } catch (_) {
     $("live-status").textContent = "(offline)";
   }
+}
+
+// Behind `nanollmserve router`, /stats adds up the workers and lists them: one row each.
+function renderWorkers(workers) {
+  const list = $("stat-workers");
+  list.hidden = !Array.isArray(workers);
+  if (list.hidden) return;
+  list.replaceChildren(
+    ...workers.map((w) => {
+      const row = document.createElement("li");
+      row.className = w.is_healthy ? "worker-up" : "worker-down";
+      const running = w.stats ? w.stats.num_requests_running : "-";
+      row.textContent =
+        w.url + ": " + (w.is_healthy ? "up" : "down") + ", running " + running +
+        ", in flight " + w.num_in_flight + ", routed " + w.num_routed;
+      return row;
+    }),
+  );
 }
 
 function drawSparkline() {
