@@ -130,7 +130,7 @@ def _adapter_of_another_model(out_dir):
 def test_bench_lora_reports_mixed_and_base_only():
     from bench_cli import run_bench
 
-    args = ["lora", "--num-prompts", "4", "--input-len", "8", "--output-len", "4"]
+    args = ["lora", "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--rounds", "1"]
     report = run_bench(*args, "--num-adapters", "3", "--dtype", "float32", "--num-kv-blocks", "64")
     results = report["results"]
     assert results["mixed"]["output_tokens"] == results["base_only"]["output_tokens"] == 16

@@ -3,8 +3,9 @@ against the same batch on the base model only, in one run, on one engine.
 
 The engine starts with `enable_lora` and `--num-adapters` slots; the adapters are random PEFT
 directories written for the run (rank `--lora-rank` on every projection, shaped from the
-model's config). The same seeded requests (ignore_eos) run twice: every request on the base
-model, then round-robin over the base model and each adapter, so every step mixes them. The
+model's config). The same seeded requests (ignore_eos) run on the base model only, then
+round-robin over the base model and each adapter (so every step mixes them), alternated for
+`--rounds` rounds so that both see the same machine; the rates use the median time. The
 ratio is the cost of serving adapters in one batch.
 """
 
@@ -16,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from nanollmserve.bench.report import add_common_args, emit, log, ratio
+from nanollmserve.bench.report import add_common_args, emit, log, median, ratio
 from nanollmserve.bench.workload import parse_range, random_requests
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -30,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--num-adapters", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="base-only / mixed runs, alternated (median)"
+    )
     add_common_args(parser)
     parser.set_defaults(func=run)
 
@@ -103,18 +107,22 @@ def run(args: argparse.Namespace) -> int:
         mixed = [([None, *adapters])[i % (len(adapters) + 1)] for i in range(len(prompts))]
         log("warmup")
         llm.generate(prompts[:2], params[:2], use_tqdm=False, lora_request=mixed[:2])
-        results = {}
-        for name, lora_requests in [("base_only", None), ("mixed", mixed)]:
-            log(f"{name}: {len(prompts)} requests")
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
-            seconds = time.perf_counter() - start
-            assert sum(len(o.outputs[0].token_ids) for o in outputs) == total_out
-            results[name] = {
-                "elapsed_s": round(seconds, 3),
+        seconds: dict[str, list[float]] = {"base_only": [], "mixed": []}
+        for round_index in range(args.rounds):  # alternated: both see the same machine
+            for name, lora_requests in [("base_only", None), ("mixed", mixed)]:
+                log(f"round {round_index + 1}/{args.rounds} {name}: {len(prompts)} requests")
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
+                seconds[name].append(time.perf_counter() - start)
+                assert sum(len(o.outputs[0].token_ids) for o in outputs) == total_out
+        results = {
+            name: {
+                "elapsed_s": [round(s, 3) for s in runs],
                 "output_tokens": total_out,
-                "output_tokens_per_s": round(total_out / seconds, 2),
+                "output_tokens_per_s": round(total_out / median(runs), 2),
             }
+            for name, runs in seconds.items()
+        }
     return emit(
         {
             "benchmark": "lora",
@@ -126,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             "output_len": args.output_len,
             "num_adapters": args.num_adapters,
             "lora_rank": args.lora_rank,
+            "rounds": args.rounds,
             "max_num_seqs": engine.config.max_num_seqs,
             "results": results,
             "ratios": {
