@@ -79,6 +79,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     try:
         loaded = load_engine_model(config)
         num_kv_blocks = broadcast_int(None)
+        if num_kv_blocks is None:  # rank 0 failed to start and sent stop instead
+            return
         runner = ModelRunner(
             loaded.model,
             num_blocks=num_kv_blocks,
