@@ -6,7 +6,10 @@ One run, two engines on the same weights: one without speculation, one with
 
 - copy: a chat request to repeat ~`--input-len` tokens of code (this package's KV block
   pool) exactly, where prompt lookup finds long runs to propose;
-- random: a prompt of `--input-len` random token ids, where it rarely finds any.
+- random: a prompt of `--input-len` random token ids, greedy (the bundled model answers
+  such a prompt repetitively, so prompt lookup finds runs in its own output);
+- random_sampled: the same prompts at temperature 1 (a seed per repeat, the same for both
+  engines), whose output rarely repeats: what speculation costs when its drafts fail.
 
 Repeats alternate the engines (and which goes first), so load drifting on a shared machine
 hits both alike; each engine first runs an untimed warm-up of each workload. Reported: the
@@ -87,9 +90,14 @@ def run(args: argparse.Namespace) -> int:
             seed=0,
         )
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-    def tpot(llm: LLM, prompt: list[int]) -> float:
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=args.output_len, ignore_eos=True
+        )
+
+    def tpot(llm: LLM, prompt: list[int], params: SamplingParams = greedy) -> float:
         m = llm.generate([prompt], params, use_tqdm=False)[0].metrics
         return (m.last_token_time - m.first_token_time) / (args.output_len - 1)
 
@@ -97,16 +105,21 @@ def run(args: argparse.Namespace) -> int:
     for llm in engines.values():
         tpot(llm, copy_ids)
         tpot(llm, warmup)
-    tpots = {w: {name: [] for name in engines} for w in ("copy", "random")}
+        tpot(llm, warmup, sampled(0))
+    tpots = {w: {name: [] for name in engines} for w in ("copy", "random", "random_sampled")}
     accepted = {w: [0, 0, 0] for w in tpots}  # drafts, draft tokens, accepted tokens
     for r in range(args.repeat):
         log(f"repeat {r + 1}/{args.repeat}")
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name in order:
             llm = engines[name]
-            for workload, prompt in (("copy", copy_ids), ("random", randoms[r])):
+            for workload, prompt, params in (
+                ("copy", copy_ids, greedy),
+                ("random", randoms[r], greedy),
+                ("random_sampled", randoms[r], sampled(r + 1)),
+            ):
                 before = llm.engine.stats().spec_decode
-                tpots[workload][name].append(tpot(llm, prompt))
+                tpots[workload][name].append(tpot(llm, prompt, params))
                 after = llm.engine.stats().spec_decode
                 if before is not None:
                     counts = accepted[workload]
@@ -133,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             "model": base.engine.loaded.source.name,
             "device": str(base.engine.device),
             "dtype": dtype_name(base.engine.dtype),
+            "quantization": base.engine.loaded.quantization,
             "cpu_model": cpu_model_name(),
             "torch_threads": torch.get_num_threads(),
             "speculative_config": dict(vars(engines["spec"].config.speculative_config)),
