@@ -10,7 +10,7 @@ latest stats snapshot when Prometheus scrapes, so they are right even when no st
 Names follow vLLM (`nanollmserve:` prefix, label `model_name`), plus the three
 `inference_*` names of the simple API. An engine that speculates also exports vLLM's
 `spec_decode_*` counters (drafts, draft tokens, accepted tokens, accepted tokens by position).
- Every metric lives in the instance's own registry, so
+Every metric lives in the instance's own registry, so
 several servers (or tests) in one process never clash.
 
     metrics = ServerMetrics("my-model", lambda: engine.stats().engine)
