@@ -1,11 +1,15 @@
 """`/v1/responses` at OpenAI parity (m19), through the real `openai` SDK with strict
 validation against the shared live server: `client.responses.stream(...)` reads our event
 stream, a response cut by max_output_tokens is `incomplete` (and its stream ends with
-`response.incomplete`), `include` logprobs, `truncation: "auto"`, the echoed fields, and a
-400 naming the field for every request field the parity table rejects."""
+`response.incomplete`), `text.format` json_schema through the grammar, `include`
+logprobs, `truncation: "auto"`, the echoed fields, and a 400 naming the field for every
+request field the parity table rejects."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 from live_server import shared_server
@@ -76,6 +80,22 @@ def test_include_logprobs(client):
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
     plain = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2, store=False)
     assert plain.output[0].content[0].logprobs == []
+
+
+def test_text_format_json_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    text = {"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}}
+    response = client.responses.create(
+        model=MODEL, input="Pick a color.", text=text, max_output_tokens=40, store=False
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
 
 
 def test_echoed_fields(client):

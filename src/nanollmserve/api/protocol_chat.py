@@ -1,12 +1,12 @@
 """Protocol models of `/v1/chat/completions`, in OpenAI's order.
 
 Messages are text (a string or a list of text parts), plus an assistant's `tool_calls` and
-`tool` results; function `tools` and `tool_choice` follow `tool_choice.py`; structured
-output (`response_format` json_object / json_schema) answers 400 "not supported yet".
-Fields that only label or route a request at OpenAI (`user`, `metadata`, `store`,
-`service_tier`, `prompt_cache_key`, `safety_identifier`) or that change nothing for this
-server's models (`reasoning_effort`: the models do not reason) are accepted and ignored; any
-other unknown field is a 400.
+`tool` results; function `tools` and `tool_choice` follow `tool_choice.py`, and
+`response_format` / `structured_outputs` follow `response_format.py`. Fields that only
+label or route a request at OpenAI (`user`, `metadata`, `store`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`) or that change nothing for this server's models
+(`reasoning_effort`: the models do not reason) are accepted and ignored; any other unknown
+field is a 400.
 """
 
 from __future__ import annotations
