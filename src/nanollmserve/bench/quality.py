@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "benchmark": "quality",
         "model": source.name,
-        "model_source": source.description,
+        "model_source": source.kind,
         "device": str(loaded[REFERENCE].device),
         "text": {
             "path": text_path.name,
