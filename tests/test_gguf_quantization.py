@@ -9,7 +9,12 @@ from torch import nn
 
 from nanollmserve import SamplingParams
 from nanollmserve.errors import UserError
-from nanollmserve.layers.gguf_linear import MAX_INT4_ROWS, GGUFInt4Linear, pack_int4_blocks
+from nanollmserve.layers.gguf_linear import (
+    MAX_INT4_ROWS,
+    GGUFInt4Linear,
+    int4_kernel_for_every_step,
+    pack_int4_blocks,
+)
 from nanollmserve.layers.quantization import Fp16Linear
 from nanollmserve.model.gguf_blocks import Int4Blocks, read_int4_blocks
 from nanollmserve.model.gguf_cache import cache_root
@@ -47,6 +52,19 @@ def test_int4_linear_computes_the_blocks_weights_at_every_step_size(rows):
     # 8 significant bits), large ones the dense float32 copy (exact).
     tolerance = 2e-2 if rows <= MAX_INT4_ROWS else 1e-5
     assert (got - expected).abs().max() / expected.abs().max() < tolerance
+
+
+def test_bench_quality_can_force_every_step_through_the_int4_kernel():
+    blocks = _random_blocks(64, 96)
+    model = nn.Sequential(
+        GGUFInt4Linear(blocks.dequantize(), None, **pack_int4_blocks(blocks, torch.bfloat16))
+    )
+    x = torch.randn(MAX_INT4_ROWS + 8, 96)
+    dense = model(x)
+    int4_kernel_for_every_step(model)
+    kernel = model(x)
+    assert not torch.equal(kernel, dense)  # bfloat16 arithmetic, not the float32 copy
+    assert (kernel - dense).abs().max() / dense.abs().max() < 2e-2
 
 
 def test_the_file_blocks_are_the_weights_of_the_converted_checkpoint(make_llm):

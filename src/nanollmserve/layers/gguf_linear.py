@@ -21,6 +21,8 @@ ops costs more than the GEMM it feeds (see the m17 decision log).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,9 +65,10 @@ class GGUFInt4Linear(WeightOnlyLinear):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)
+        self.max_int4_rows = MAX_INT4_ROWS
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_INT4_ROWS:
+        if x.shape[0] > self.max_int4_rows:
             return F.linear(x, self.weight, self.bias)
         out = torch._weight_int4pack_mm_for_cpu(
             x.to(self.scale_zero.dtype), self.packed, BLOCK_SIZE, self.scale_zero
@@ -100,3 +103,12 @@ def apply_gguf_blocks(model: nn.Module, packed: dict[str, dict[str, torch.Tensor
     if lm_head is None and embedding.dtype == torch.float32:
         model.lm_head = Fp16Linear(embedding, None)
     return replaced
+
+
+def int4_kernel_for_every_step(model: nn.Module) -> None:
+    """Make every step, however many rows, run the int4 kernel (slow for large steps): what
+    `bench quality` scores, so the perplexity of `gguf` is that of the kernel's arithmetic,
+    the one decode steps use, not that of the dense copy."""
+    for module in model.modules():
+        if isinstance(module, GGUFInt4Linear):
+            module.max_int4_rows = sys.maxsize
