@@ -46,6 +46,11 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties")
 
+MAX_JSON_WHITESPACE = 12
+"""Whitespace characters allowed between JSON elements: room for pretty-printing (a newline
+and indentation), not for the whitespace runs a sampled model can fall into at temperature
+1.0, which would fill max_tokens and cut the JSON."""
+
 CACHE_SIZE = 256
 """Compiled grammars kept (least recently used dropped first)."""
 
@@ -113,11 +118,15 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 return compiler.compile_json_schema(
-                    json.dumps(params.json), any_whitespace=any_whitespace
+                    json.dumps(params.json),
+                    any_whitespace=any_whitespace,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
                 )
             if kind == "json_object":
                 return compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=any_whitespace
+                    '{"type": "object"}',
+                    any_whitespace=any_whitespace,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
                 )
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
