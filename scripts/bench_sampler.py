@@ -105,10 +105,10 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
 
-    logits = real_logits()
     samplers = {"after": current}
     if args.baseline:
         samplers = {"before": sampler_at(args.baseline), "after": current}
+    logits = real_logits()
     batches = [int(b) for b in args.batch.split(",")]
     times: dict = {}
     with torch.inference_mode():
