@@ -73,9 +73,9 @@ def _error(response, status: int) -> dict:
         ),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
+            {"messages": CHAT, "response_format": {"type": "xml"}},
             "response_format",
-            "not supported yet",
+            "Input should be",
         ),
         (
             "/v1/chat/completions",
