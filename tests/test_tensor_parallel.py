@@ -32,43 +32,6 @@ def token_ids(outputs) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
-@pytest.fixture(scope="module")
-def bundled_reference(shared_llm) -> list:
-    """The bundled model's greedy answers with one rank: 4 chats x 32 tokens, float32."""
-    conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
-    return shared_llm.chat(conversations, GREEDY_32, use_tqdm=False)
-
-
-@pytest.fixture(scope="module")
-def bundled_three_ranks():
-    """The bundled model over 3 ranks (9 query heads, 3 KV heads, vocabulary 49152)."""
-    with LLM(dtype="float32", num_kv_blocks=64, tensor_parallel_size=3) as sharded:
-        yield sharded
-
-
-# Three tests, not one, so that each stays well inside the per-test timeout on a loaded CPU:
-# the one-rank reference, the sharded engine's start, and the sharded answers.
-def test_bundled_reference_answers_make_sense(bundled_reference) -> None:
-    assert "Paris" in bundled_reference[0].outputs[0].text
-    assert [len(o.outputs[0].token_ids) for o in bundled_reference] == [32] * 4
-
-
-def test_bundled_model_ranks_hold_a_third_each(bundled_three_ranks, shared_llm) -> None:
-    attention = bundled_three_ranks.engine.model_runner.attention_layers[0]
-    assert (attention.num_heads, attention.num_kv_heads) == (3, 1)
-    assert bundled_three_ranks.engine.model_runner.kv_cache.shape[-2] == 1
-    share = count_parameters(bundled_three_ranks.engine.loaded.model) / count_parameters(
-        shared_llm.engine.loaded.model
-    )
-    assert 0.33 <= share < 0.34  # a third, plus the replicated norms
-
-
-def test_bundled_model_three_ranks_answer_like_one(bundled_three_ranks, bundled_reference):
-    conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
-    got = token_ids(bundled_three_ranks.chat(conversations, GREEDY_32, use_tqdm=False))
-    assert got == token_ids(bundled_reference)
-
-
 TINY_CASES = {
     # untied LM head, biases on q/k/v and o_proj (o_proj's bias is added once, after the sum)
     "llama-tp2": (LlamaConfig, 2, dict(tie_word_embeddings=False, attention_bias=True)),
@@ -128,3 +91,42 @@ def test_more_ranks_than_gpus_is_a_clear_error(tiny_llama_dir: Path) -> None:
 def test_quantization_with_tensor_parallelism_is_rejected(tiny_llama_dir: Path) -> None:
     with pytest.raises(UserError, match="tensor parallelism with --quantization"):
         LLM(str(tiny_llama_dir), quantization="int8", tensor_parallel_size=2)
+
+
+# The bundled three-rank tests come last: their module-scoped engine holds this process's
+# tensor-parallel group until the module ends, and a process can be in one group only.
+@pytest.fixture(scope="module")
+def bundled_reference(shared_llm) -> list:
+    """The bundled model's greedy answers with one rank: 4 chats x 32 tokens, float32."""
+    conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
+    return shared_llm.chat(conversations, GREEDY_32, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def bundled_three_ranks():
+    """The bundled model over 3 ranks (9 query heads, 3 KV heads, vocabulary 49152)."""
+    with LLM(dtype="float32", num_kv_blocks=64, tensor_parallel_size=3) as sharded:
+        yield sharded
+
+
+# Three tests, not one, so that each stays well inside the per-test timeout on a loaded CPU:
+# the one-rank reference, the sharded engine's start, and the sharded answers.
+def test_bundled_reference_answers_make_sense(bundled_reference) -> None:
+    assert "Paris" in bundled_reference[0].outputs[0].text
+    assert [len(o.outputs[0].token_ids) for o in bundled_reference] == [32] * 4
+
+
+def test_bundled_model_ranks_hold_a_third_each(bundled_three_ranks, shared_llm) -> None:
+    attention = bundled_three_ranks.engine.model_runner.attention_layers[0]
+    assert (attention.num_heads, attention.num_kv_heads) == (3, 1)
+    assert bundled_three_ranks.engine.model_runner.kv_cache.shape[-2] == 1
+    share = count_parameters(bundled_three_ranks.engine.loaded.model) / count_parameters(
+        shared_llm.engine.loaded.model
+    )
+    assert 0.33 <= share < 0.34  # a third, plus the replicated norms
+
+
+def test_bundled_model_three_ranks_answer_like_one(bundled_three_ranks, bundled_reference):
+    conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
+    got = token_ids(bundled_three_ranks.chat(conversations, GREEDY_32, use_tqdm=False))
+    assert got == token_ids(bundled_reference)
