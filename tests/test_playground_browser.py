@@ -101,7 +101,9 @@ def enter_key(page, key: str = KEY) -> None:
     page.fill("#api-key", key)
     page.press("#api-key", "Tab")  # 'change': the page reloads the model list and stats
     if key == KEY:
-        page.wait_for_function("document.querySelector('#model').options.length > 0")
+        # Polled from Python: Playwright's wait_for_function evaluates its string with eval()
+        # in the page, which the playground's strict CSP (no 'unsafe-eval') refuses.
+        wait_until(lambda: page.locator("#model option").count() > 0, 60, "the model list")
 
 
 def send(page, prompt: str, max_tokens: int = 32) -> None:
