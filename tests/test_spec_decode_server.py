@@ -1,17 +1,22 @@
 """Speculative decoding (m16) as users see it: a live `serve --speculative-config` (ngram) on
 the bundled model driven by the openai client (streaming deltas carrying several tokens,
-logprobs, stop strings, max_tokens, the `spec_decode_*` metrics and /stats), and the CLI
-(`generate --show-stats`, a bad config)."""
+logprobs, stop strings, max_tokens, the `spec_decode_*` metrics and /stats; structured
+output requests, concurrent with an unconstrained one, answering exactly as the shared
+server without speculation does, streamed, with n > 1 and a stop string, and validating
+when sampled), and the CLI (`generate --show-stats`, a bad config)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, shared_server
 
 pytestmark = pytest.mark.milestone("m16")
 
@@ -64,6 +69,85 @@ def test_streaming_logprobs_stop_strings_and_metrics(server):
         assert metrics[f"nanollmserve:spec_decode_{name}_total{{{labels}}}"] == stats[name]
     per_pos = "nanollmserve:spec_decode_num_accepted_tokens_per_pos_total"
     assert metrics[f'{per_pos}{{{labels},position="0"}}'] == stats["num_accepted_tokens_per_pos"][0]
+
+
+PERSON = {"name": "Ada Lovelace", "born": 1815, "city": "London", "languages": ["English"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
+        "city": {"type": "string", "maxLength": 12},
+        "languages": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 10},
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "born", "city", "languages"],
+    "additionalProperties": False,
+}
+# Asking to repeat a JSON object given in the prompt: prompt lookup drafts long runs of it.
+ASK_JSON = [{"role": "user", "content": "Repeat this JSON object exactly:\n" + json.dumps(PERSON)}]
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+REGEX = r"[A-Z][a-z]{1,10} [A-Z][a-z]{1,10}"
+JSON = {"response_format": JSON_FORMAT}
+CONSTRAINED = {
+    "json_schema": JSON,
+    "regex": {"extra_body": {"structured_outputs": {"regex": REGEX}}},
+    "choice": {"extra_body": {"structured_outputs": {"choice": ["Ada Lovelace", "Alan Turing"]}}},
+    "unconstrained": {},
+}
+
+
+def test_structured_output_with_drafts_answers_as_without(server):
+    reference_server = shared_server()  # no speculation
+    model = MODEL
+
+    def ask(srv, extra, **kwargs):
+        args = {"max_tokens": 80, "temperature": 0, **extra, **kwargs}
+        return srv.openai().chat.completions.create(model=model, messages=ASK_JSON, **args)
+
+    def answers(srv, **kwargs):  # all four at once: they share steps
+        with ThreadPoolExecutor(len(CONSTRAINED)) as pool:
+            futures = {k: pool.submit(ask, srv, e, **kwargs) for k, e in CONSTRAINED.items()}
+            return {k: [c.message.content for c in f.result().choices] for k, f in futures.items()}
+
+    before = server.stats()["spec_decode"]["num_accepted_tokens"]
+    expected = answers(reference_server)
+    assert answers(server) == expected
+    assert server.stats()["spec_decode"]["num_accepted_tokens"] > before
+    text = expected["json_schema"][0]
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert re.fullmatch(REGEX, expected["regex"][0])
+    assert expected["unconstrained"][0] != text
+
+    # Alone: the constrained request gets drafts and keeps some.
+    before = server.stats()["spec_decode"]["num_accepted_tokens"]
+    assert ask(server, JSON).choices[0].message.content == text
+    assert server.stats()["spec_decode"]["num_accepted_tokens"] - before >= 8
+
+    # n > 1 and a stop string inside a drafted run: as without speculation.
+    assert answers(server, n=2) == answers(reference_server, n=2)
+    stopped = ask(server, JSON, stop=['"city"']).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.message.content == text[: text.index('"city"')]
+
+    # Streamed with logprobs: deltas carry several tokens and join to the same text.
+    stream = server.openai(strict=False).chat.completions.create(
+        model=model, messages=ASK_JSON, max_tokens=80, temperature=0, stream=True,
+        logprobs=True, response_format=JSON_FORMAT,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert max(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs) > 1
+
+    # Sampled at temperature 1.0: every answer still follows the schema.
+    sampled = ask(server, JSON, temperature=1.0, seed=5, n=3, max_tokens=120)
+    for choice in sampled.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
 def scrape(url: str) -> dict[str, float]:

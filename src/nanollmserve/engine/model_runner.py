@@ -91,7 +91,9 @@ class ModelRunner:
             for _ in range(len(d) + 1)
         ]
         meta = self._sampling_metadata(sample_requests, logits.shape[1])
-        self.grammar_bitmask.apply(logits, sample_requests)  # structured output: in place
+        # Structured output, in place; row j of a request is masked after its first j drafts.
+        row_drafts = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        self.grammar_bitmask.apply(logits, sample_requests, row_drafts)
         tokens = _to_sampled_tokens(self.sampler(logits, meta), sample_requests)
         results: list[list[SampledToken]] = [[] for _ in scheduled.requests]
         first = 0

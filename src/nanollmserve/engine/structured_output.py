@@ -3,20 +3,28 @@ one batched token bitmask applied to the logits before sampling.
 
 - `GrammarState` wraps an XGrammar matcher made from the request's compiled grammar (see
   `grammar_compiler.py`). The scheduler's update step advances it with each accepted token
-  (`accept_token`); `rollback` takes back tokens a speculative step did not keep. When the
-  grammar has ended (`is_finished`), the request finishes with `stop`.
-- `GrammarBitmask.apply(logits, requests)` is the model runner's hook: for the rows whose
-  request has a grammar it fills one `[rows, ceil(vocab / 32)]` int32 bitmask in a single
-  batched call (XGrammar's C++ matchers, no Python loop over the vocabulary) and sets the
-  logits of disallowed tokens to -inf with XGrammar's kernel (CPU, CUDA or Triton). Rows
+  (`accept_token`), so between steps it stands after the request's last token. When the
+  grammar has ended (`is_finished`), the request finishes with `stop`. Speculative decoding
+  cuts a request's drafts to the prefix its grammar allows (`num_valid`).
+- `GrammarBitmask.apply(logits, requests, drafts)` is the model runner's hook: for the rows
+  whose request has a grammar it fills one `[rows, ceil(vocab / 32)]` int32 bitmask in a
+  single batched call (XGrammar's C++ matchers, no Python loop over the vocabulary) and sets
+  the logits of disallowed tokens to -inf by `token_bitmask.py` (CPU: numpy; GPU: XGrammar). Rows
   without a grammar are untouched, so constrained and unconstrained requests share a step.
+  A request verifying k drafts has k + 1 rows: row j is masked with the grammar state after
+  its first j drafts (one batched fill per j, the matchers advanced through the drafts in
+  between, then rolled back); a row after a draft that ended the grammar stays unmasked (the
+  request stops at that draft, so the row's token is never used).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from nanollmserve.engine.token_bitmask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from nanollmserve.engine.request import Request
@@ -42,11 +50,18 @@ class GrammarState:
             self.num_rejected += 1
         return accepted
 
-    def rollback(self, num_tokens: int) -> None:
-        """Take back the last `num_tokens` accepted tokens (rejected speculative tokens)."""
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
-            self.num_accepted -= num_tokens
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many leading `token_ids` the grammar allows from here (speculative drafts: a
+        draft the grammar refuses could never be sampled, nor could any draft after it). The
+        state is unchanged afterwards."""
+        num = 0
+        for token_id in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            num += 1
+        if num:
+            self.matcher.rollback(num)
+        return num
 
     @property
     def is_finished(self) -> bool:
@@ -65,21 +80,71 @@ class GrammarBitmask:
         self._batch_matcher = None
         self._buffer: torch.Tensor | None = None
 
-    def apply(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Mask, in place, the logits rows (one per request, in order) of requests that have
-        a grammar so only the tokens their grammar allows next stay finite."""
+    def apply(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        drafts: list[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """Mask, in place, the logits rows of requests that have a grammar so only the tokens
+        their grammar allows next stay finite. `requests[i]` is row i's request; with
+        speculative decoding, `drafts[i]` is the drafts before row i (a request with k drafts
+        d has rows with d[:0], d[:1], ..., d[:k]: consecutive, in that order)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return logits
         num_rows, vocab_size = logits.shape
         bitmask = self._bitmask(num_rows, vocab_size)
+        if drafts is None or not any(drafts[i] for i in rows):
+            self._fill(bitmask, requests, rows)
+        else:
+            rows = self._fill_drafts(bitmask, requests, drafts, rows)
+        if rows:
+            apply_token_bitmask(logits, bitmask, rows)
+        return logits
+
+    def _fill(self, bitmask: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """Fill `rows` of the bitmask from their requests' grammar states, in one call."""
         self._batch_matcher.batch_fill_next_token_bitmask(
             [requests[i].grammar.matcher for i in rows], bitmask, indices=rows
         )
-        self._xgrammar.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device), vocab_size=vocab_size, indices=rows
-        )
-        return logits
+
+    def _fill_drafts(
+        self,
+        bitmask: torch.Tensor,
+        requests: list[Request],
+        drafts: list[Sequence[int]],
+        rows: list[int],
+    ) -> list[int]:
+        """Fill the rows of requests verifying drafts, depth by depth: the rows after j
+        drafts are filled in one call, then each matcher accepts its next draft. The drafts
+        were cut to what the grammar allows (`GrammarState.num_valid`); a row after the
+        grammar ended is left out. Every matcher is rolled back to where it was. Returns
+        the rows filled."""
+        by_depth: dict[int, list[int]] = {}
+        for i in rows:
+            by_depth.setdefault(len(drafts[i]), []).append(i)
+        advanced: dict[Request, int] = {}  # drafts each matcher accepted here
+        filled: list[int] = []
+        try:
+            for depth in sorted(by_depth):
+                live = []
+                for i in by_depth[depth]:
+                    request = requests[i]
+                    matcher = request.grammar.matcher
+                    one_more = depth and advanced.get(request, 0) == depth - 1
+                    if one_more and matcher.accept_token(drafts[i][-1]):
+                        advanced[request] = depth
+                    if advanced.get(request, 0) == depth and not matcher.is_terminated():
+                        live.append(i)
+                if live:
+                    self._fill(bitmask, requests, live)
+                    filled.extend(live)
+        finally:
+            for request, num in advanced.items():
+                request.grammar.matcher.rollback(num)
+        filled.sort()
+        return filled
 
     def _bitmask(self, num_rows: int, vocab_size: int) -> torch.Tensor:
         if self._xgrammar is None:

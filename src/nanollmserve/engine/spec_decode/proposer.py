@@ -5,8 +5,10 @@ Before each step, every running request that is decoding gets up to k drafts in
 `Request.spec_token_ids`. A request gets fewer when it is close to `max_tokens` (k accepted
 drafts plus the target's own token must fit) and none when its drafts could not be checked
 exactly by sampling each position independently: repetition/presence/frequency penalties
-and min_tokens (both depend on the tokens before each position), structured output (its
-grammar does not check drafts yet).
+and min_tokens (both depend on the tokens before each position). A request with structured
+output keeps the drafts up to the first one its grammar refuses (the target could never
+sample that one), and the model runner masks each verified position with the grammar state
+after the drafts before it (`GrammarBitmask.apply`), so the grammar holds at every token.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class SpeculativeDecoder:
         for request, drafts in zip(
             running, self.proposer.propose(running, num_drafts), strict=True
         ):
+            if request.grammar is not None and drafts:
+                drafts = drafts[: request.grammar.num_valid(drafts)]
             request.spec_token_ids = drafts
 
     def reset(self) -> None:
@@ -83,10 +87,6 @@ def num_drafts_for(request: Request, k: int) -> int:
     if request.num_tokens - request.num_computed_tokens != 1:  # its prompt is not done
         return 0
     params = request.sampling_params
-    if (
-        params.needs_penalties
-        or request.num_output_tokens < params.min_tokens
-        or params.structured_outputs is not None
-    ):
+    if params.needs_penalties or request.num_output_tokens < params.min_tokens:
         return 0
     return max(0, min(k, request.max_tokens - request.num_output_tokens - 1))
