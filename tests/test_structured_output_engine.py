@@ -83,6 +83,29 @@ def test_seeded_constrained_sampling_reproduces_and_reports_logprobs(llm):
     assert len(first.outputs[0].logprobs) == len(first.outputs[0].token_ids)
 
 
+def test_min_tokens_never_pads_a_finished_grammar_with_a_stray_token(llm):
+    # The choice is complete after one or two tokens; min_tokens then blocks the stop token,
+    # the only one the grammar allows, so the sampler sees every token masked.
+    ask = [{"role": "user", "content": "Yes or no?"}]
+    choice = {"choice": ["yes", "no"]}
+    free, held = llm.chat(
+        [ask, ask],
+        [
+            SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=choice),
+            SamplingParams(
+                temperature=0.0, max_tokens=16, min_tokens=10, structured_outputs=choice
+            ),
+        ],
+        use_tqdm=False,
+    )
+    answer = free.outputs[0]
+    assert answer.finish_reason == held.outputs[0].finish_reason == "stop"
+    assert held.outputs[0].text == answer.text
+    # The same answer tokens, without the stop token min_tokens held back and nothing else.
+    assert held.outputs[0].token_ids == answer.token_ids[: len(held.outputs[0].token_ids)]
+    assert len(held.outputs[0].token_ids) in (len(answer.token_ids), len(answer.token_ids) - 1)
+
+
 @pytest.mark.parametrize(
     "structured_outputs, fragment",
     [

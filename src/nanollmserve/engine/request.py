@@ -101,10 +101,15 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int) -> bool:
+        """Append a sampled token -> False, appending nothing, when the request's grammar
+        refuses it: the sampler can only draw such a token when every token was masked (the
+        grammar allows only its stop tokens and `min_tokens` blocks them), and it would end
+        a finished answer with a stray token."""
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            return False
         self.all_token_ids.append(token_id)
-        if self.grammar is not None:
-            self.grammar.accept_token(token_id)
+        return True
 
     def __repr__(self) -> str:
         return (

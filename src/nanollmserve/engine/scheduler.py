@@ -191,7 +191,9 @@ class Scheduler:
             status = None
             new_token_ids = []
             for sample in samples:
-                request.append_token(sample.token_id)
+                if not request.append_token(sample.token_id):  # refused by the grammar
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
                 new_token_ids.append(sample.token_id)
                 status = self._check_stop(request, sample.token_id)
                 if status is not None:  # drop tokens past a stop or max_tokens
@@ -209,7 +211,7 @@ class Scheduler:
                 EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=new_logprobs if new_logprobs[0] else None,
+                    new_logprobs=new_logprobs if new_logprobs and new_logprobs[0] else None,
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,

@@ -66,7 +66,7 @@ class GrammarState:
     @property
     def is_finished(self) -> bool:
         """Nothing may follow: the grammar is complete and its stop token was accepted (or a
-        token it does not allow was appended)."""
+        token it does not allow was sampled, which the request does not keep)."""
         return self.num_rejected > 0 or self.matcher.is_terminated()
 
 
