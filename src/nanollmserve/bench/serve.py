@@ -25,11 +25,8 @@ import random
 import shlex
 import time
 
-from tqdm import tqdm
-
 from nanollmserve.bench import serve_workloads as workloads
 from nanollmserve.bench.report import add_common_args, emit, log, ratio
-from nanollmserve.bench.serve_client import GrpcBackend, OpenAIBackend, RequestResult
 from nanollmserve.bench.serve_metrics import parse_goodput, summarize
 from nanollmserve.errors import UserError
 
@@ -132,6 +129,8 @@ def build_requests(args: argparse.Namespace, words: workloads.WordTokens, seed: 
 async def run_load(backend, requests, max_concurrency, request_rate, seed, progress) -> tuple:
     """Send every request (Poisson gaps at `request_rate`, at most `max_concurrency` in
     flight); returns the results in request order, the duration and the peak in flight."""
+    from nanollmserve.bench.serve_client import RequestResult
+
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     in_flight = peak = 0
@@ -176,6 +175,8 @@ def stats_delta(before: dict | None, after: dict | None) -> dict | None:
 
 
 async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, list]:
+    from tqdm import tqdm
+
     backend.model = args.model or await backend.fetch_model()
     levels = [args.max_concurrency]
     if args.sweep_concurrency:
@@ -238,7 +239,8 @@ async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, l
     return {**head, **runs[0]}, raw
 
 
-def _detail(r: RequestResult) -> dict:
+def _detail(r) -> dict:
+    """One RequestResult as the JSON of `--save-detailed`."""
     return {
         "success": r.success,
         "prompt_tokens": r.prompt_tokens,
@@ -266,6 +268,8 @@ def _side_by_side(measured: list[tuple[dict, list]]) -> tuple[dict, list]:
 
 
 def make_backend(args, name: str, base_url: str, grpc_target: str | None):
+    from nanollmserve.bench.serve_client import GrpcBackend, OpenAIBackend
+
     if name == "grpc":
         if not grpc_target:
             raise UserError("--backend grpc with --base-url needs --grpc-target HOST:PORT")

@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 from nanollmserve.bench.report import percentile
-from nanollmserve.bench.serve_client import RequestResult
+
+if TYPE_CHECKING:  # serve_client imports httpx: not at every CLI start
+    from nanollmserve.bench.serve_client import RequestResult
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -251,12 +252,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int:
-    import uvicorn
-
-    from nanollmserve.api import ServerSettings, create_app
     from nanollmserve.frontend.async_engine import AsyncEngine
-    from nanollmserve.generation_config import describe, load_generation_defaults
-    from nanollmserve.metrics import StatsLogger
 
     grpc_server = grpc_port = None
     if args.grpc_port is not None:
@@ -265,9 +261,21 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         grpc_server, grpc_port = bind_grpc_server(
             args.host, args.grpc_port, credentials=_grpc_credentials(args)
         )
-    engine = await asyncio.to_thread(
-        AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
+    building = asyncio.get_running_loop().run_in_executor(  # starts the thread now
+        None,
+        functools.partial(
+            AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
+        ),
     )
+    # The server's modules (FastAPI, pydantic, uvicorn: about 0.4 s) import while the engine
+    # thread loads the model, much of which runs in PyTorch without holding the GIL.
+    import uvicorn
+
+    from nanollmserve.api import ServerSettings, create_app
+    from nanollmserve.generation_config import describe, load_generation_defaults
+    from nanollmserve.metrics import StatsLogger
+
+    engine = await building
     try:
         for name, path in args.lora_modules:
             await engine.load_lora(name, path)

@@ -144,8 +144,10 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar
 
+                # A NativeTokenizer hands over transformers' tokenizer of the same files.
+                hf_tokenizer = getattr(self.tokenizer, "hf_tokenizer", self.tokenizer)
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                    hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler

@@ -47,7 +47,8 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         dtype = quantization_dtype(config, dtype)
     source = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(source.path)
-    model = load_model(source.path, model_config, dtype, device)
+    # A GGUF source's directory is our cache entry: it keeps the fused weights for later loads.
+    model = load_model(source.path, model_config, dtype, device, source.gguf_path is not None)
     quantization = resolve_quantization(config, source, device)
     if quantization:
         if device.type != "cpu":

@@ -8,6 +8,13 @@ from nanollmserve.errors import ParamError, UserError
 
 
 def load_tokenizer(model_dir: str | Path):
+    """The directory's tokenizer: a NativeTokenizer (the `tokenizers` library alone, no
+    transformers import) where it gives the same results, else transformers' AutoTokenizer."""
+    from nanollmserve.frontend.native_tokenizer import load_native_tokenizer
+
+    native = load_native_tokenizer(model_dir)
+    if native is not None:
+        return native
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))

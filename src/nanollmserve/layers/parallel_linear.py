@@ -118,6 +118,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_start = get_tp_rank() * rows
         super().__init__(rows, hidden_size)
 
+    def reset_parameters(self) -> None:
+        # Built on the meta device for loading, the table has nothing to fill, and filling a
+        # meta tensor with random numbers imports torch._dynamo (0.5 s of every start).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def shard_weight(self, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
         return _shard_vocab_rows(tensor, self.vocab_size)
 

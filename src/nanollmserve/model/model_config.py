@@ -1,7 +1,10 @@
 """ModelConfig: what the native model and the engine need from an HF config.json.
 
-The values come from `transformers.AutoConfig`, so each architecture's defaults apply to keys a
-config.json leaves out. RoPE settings are read from both shapes transformers has used: the
+A Llama config.json is read with `json` on top of `LlamaConfig`'s defaults (`LLAMA_DEFAULTS`,
+the keys a config.json may leave out): importing transformers for `AutoConfig` took 1.7 s of
+every start. Every other architecture goes through `transformers.AutoConfig`, so its own
+defaults (and the values its config class derives, such as Qwen2's `layer_types`) apply to
+keys a config.json leaves out. RoPE settings are read from both shapes transformers has used: the
 `rope_parameters` dict of transformers 5 and the `rope_theta` / `rope_scaling` pair before it.
 The engine sizes the KV cache with `kv_bytes_per_token` and caps the context at
 `max_context_len`.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -20,6 +24,25 @@ from nanollmserve.errors import UserError
 from nanollmserve.model.registry import MODEL_TYPE_TO_ARCHITECTURE, check_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "rope_parameters": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "head_dim": None,
+}
+"""transformers' `LlamaConfig` defaults of the keys `from_hf_config` reads (no RoPE settings:
+plain RoPE with theta 10000, the `_rope_settings` default)."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +99,12 @@ class ModelConfig:
             else MODEL_TYPE_TO_ARCHITECTURE.get(raw.get("model_type", ""), "unknown")
         )
         check_architecture(architecture)
+        if architecture == "LlamaForCausalLM" and raw.get("model_type", "llama") == "llama":
+            hf_config = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw})
+        else:
+            from transformers import AutoConfig
 
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(model_dir)
+            hf_config = AutoConfig.from_pretrained(model_dir)
         generation_eos = _read_generation_eos(model_dir / "generation_config.json")
         return cls.from_hf_config(hf_config, architecture, generation_eos)
 
