@@ -181,7 +181,7 @@ def _write_fused(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    except OSError as exc:
+    except (OSError, safetensors.SafetensorError) as exc:
         logger.warning("cannot keep the fused weights in %s: %s", path.parent, exc)
 
 
