@@ -97,9 +97,15 @@ def test_word_prompts_have_exactly_the_drawn_token_counts(tokenizer):
             r.prompt_token_ids
         )
         assert 10 <= r.prompt_len <= 40 and 3 <= r.max_tokens <= 5
-    shared = shared_prefix_workload(words, 4, 2, 32, "5", "2", seed=0)
-    assert shared[0].system == shared[2].system != shared[1].system
-    assert shared[0].prompt_token_ids[:32] == shared[2].prompt_token_ids[:32]
+    shared = shared_prefix_workload(words, 12, 3, 32, "5", "2", seed=0)
+    by_group = {g: [r for r in shared if r.group == g] for g in range(3)}
+    assert [len(rs) for rs in by_group.values()] == [4, 4, 4]
+    for rs in by_group.values():  # a group's requests share its system prompt and its ids
+        assert len({r.system for r in rs}) == 1
+        assert len({tuple(r.prompt_token_ids[:32]) for r in rs}) == 1
+    assert len({rs[0].system for rs in by_group.values()}) == 3
+    # Shuffled, not in turn (round robin over 3 workers would otherwise split the groups).
+    assert [r.group for r in shared] != [i % 3 for i in range(12)]
     assert tokenizer.encode(shared[1].completion_prompt(), add_special_tokens=False) == (
         shared[1].prompt_token_ids
     )

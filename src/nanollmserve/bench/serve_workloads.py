@@ -98,17 +98,22 @@ def shared_prefix_workload(
     output_len: str,
     seed: int,
 ) -> list[ServeRequest]:
-    """`num_groups` long system prompts of `prefix_len` tokens; request i uses group
-    i % num_groups and adds its own question of `input_len` tokens."""
+    """`num_groups` long system prompts of `prefix_len` tokens, each used by an equal share
+    of the requests (+-1) in a shuffled order (as SGLang's generated-shared-prefix dataset);
+    each request adds its own question of `input_len` tokens. The shuffle matters for
+    routing benchmarks: groups in turn (request i in group i % num_groups) would let round
+    robin over an even number of workers split the groups by parity, a cache-aware
+    placement no real traffic gives it."""
     if num_groups < 1 or prefix_len < 1:
         raise ValueError("shared-prefix needs --num-groups >= 1 and --prefix-len >= 1")
     rng = random.Random(seed)
     prefixes = [words.sample(rng, prefix_len) for _ in range(num_groups)]
     prefix_texts = [words.text(ids) for ids in prefixes]
     in_range, out_range = parse_range(input_len), parse_range(output_len)
+    groups = [i % num_groups for i in range(num_prompts)]
+    rng.shuffle(groups)
     requests = []
-    for i in range(num_prompts):
-        group = i % num_groups
+    for group in groups:
         ids = words.sample(rng, rng.randint(*in_range))
         requests.append(
             ServeRequest(
