@@ -4,8 +4,15 @@ For each batch size, it times the model runner's hook (`GrammarBitmask.apply`: f
 batched bitmask from every row's grammar state, then mask the logits) on rows without a
 grammar and on rows that all have one, walking each grammar through real states (each row
 accepts a random allowed token per step, restarting when its grammar ends). CPU time of
-this thread (`time.process_time`), so other load on the machine does not inflate it. Also
-reports the grammar's compile time, cold and from the cache. JSON on stdout.
+the process (`time.process_time`), so other load on the machine inflates it far less than
+wall time. Also reports the grammar's compile time, cold and from the cache.
+
+`--generate N` adds the end-to-end cost: N chat requests (`--max-tokens` each, temperature
+1.0, `ignore_eos`) through the offline `LLM`, with the schema and without, alternating
+(`--repeat` pairs after a warm-up pair), as output tokens per CPU second of the process and
+per wall second; `constrained_vs_unconstrained` is the median over the pairs of the ratio.
+Run it with `OMP_NUM_THREADS=1` so the CPU seconds are the work done, not threads spinning
+while the machine is shared. JSON on stdout.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=100, help="steps timed per configuration")
     p.add_argument("--schema", type=json.loads, default=None, help="JSON schema (JSON text)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--generate", type=int, default=0, metavar="N", help="also: N chat requests end to end"
+    )
+    p.add_argument("--max-tokens", type=int, default=32, help="--generate: tokens per request")
+    p.add_argument("--repeat", type=int, default=3, help="--generate: timed pairs")
     p.set_defaults(func=run)
 
 
@@ -102,8 +114,61 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "results": results,
     }
+    if args.generate:
+        report["generate"] = _generate(args, args.schema or DEFAULT_SCHEMA)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _generate(args: argparse.Namespace, schema: dict) -> dict:
+    """Output tokens per CPU second and per wall second of `args.generate` chat requests,
+    with the schema and without, alternating which goes first."""
+    from nanollmserve import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(args.model)
+    messages = [
+        [{"role": "user", "content": f"Describe item {i} as a JSON object."}]
+        for i in range(args.generate)
+    ]
+
+    def once(constrained: bool) -> dict:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            ignore_eos=True,
+            seed=args.seed,
+            structured_outputs=StructuredOutputsParams(json=schema) if constrained else None,
+        )
+        cpu, wall = time.process_time(), time.perf_counter()
+        outputs = llm.chat(messages, params, use_tqdm=False)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"tokens": tokens, "tok_per_cpu_s": tokens / cpu, "tok_per_s": tokens / wall}
+
+    once(True)  # warm-up: the grammar's compile, first-step costs
+    once(False)
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for i in range(args.repeat):
+        for constrained in (True, False) if i % 2 == 0 else (False, True):
+            runs[constrained].append(once(constrained))
+
+    def ratio(key: str) -> float:
+        pairs = zip(runs[True], runs[False], strict=True)
+        return round(statistics.median(c[key] / u[key] for c, u in pairs), 3)
+
+    def rounded(run: dict) -> dict:
+        return {k: round(v, 2) for k, v in run.items()}
+
+    return {
+        "requests": args.generate,
+        "max_tokens": args.max_tokens,
+        "constrained": [rounded(r) for r in runs[True]],
+        "unconstrained": [rounded(r) for r in runs[False]],
+        "constrained_vs_unconstrained": {
+            "tok_per_cpu_s": ratio("tok_per_cpu_s"),
+            "tok_per_s": ratio("tok_per_s"),
+        },
+    }
 
 
 class _Row:
