@@ -12,7 +12,8 @@ safetensors maps the files into memory, so a tensor loaded in its stored dtype c
 its pages are read when first used. The fused tensors are the exception, a concatenation.
 In a directory nanollmserve owns (a GGUF cache entry: `cache_fused=True`) the first load
 saves them, in the model dtype, into `nanollmserve-fused-<dtype>.safetensors` beside the
-checkpoint, and later loads map that file instead: concatenating them took 1.1 s of every
+checkpoint, with the part order it concatenated (a changed `packed_modules_mapping` rebuilds
+the file), and later loads map that file instead: concatenating them took 1.1 s of every
 start of the bundled model (280 MB of float32).
 """
 
@@ -143,7 +144,7 @@ def _read_weights(
         if len(parts) == num_shards[name.split(".")[-2]]:  # else reported as missing
             concatenated[name] = torch.cat([parts[i] for i in range(len(parts))], dim=0)
     if cache_fused and fused is None and concatenated:
-        _write_fused(fused_path, concatenated)
+        _write_fused(fused_path, concatenated, packed_mapping)
     weights.update(concatenated)
     return weights
 
@@ -153,15 +154,24 @@ def _fused_names(model: nn.Module, packed_mapping: dict[str, tuple[str, int]]) -
     return {name for name in model.state_dict() if name.split(".")[-2] in fused_modules}
 
 
+def _fused_layout(packed_mapping: dict[str, tuple[str, int]]) -> str:
+    """How the parts were concatenated (saved with them: a changed mapping rebuilds them)."""
+    return json.dumps(sorted((part, *where) for part, where in packed_mapping.items()))
+
+
 def _read_fused(
     path: Path, model: nn.Module, packed_mapping: dict, device: str
 ) -> dict[str, torch.Tensor] | None:
-    """The fused tensors saved by an earlier load (memory-mapped), None when there is no file
-    or it does not hold exactly the model's fused tensors (then they are concatenated again)."""
+    """The fused tensors saved by an earlier load (memory-mapped), None when there is no file,
+    or it does not hold exactly the model's fused tensors in the model's part order (then they
+    are concatenated again)."""
     if not path.is_file():
         return None
     try:
         with safe_open(path, framework="pt", device=device) as f:
+            layout = (f.metadata() or {}).get("packed_modules_mapping")
+            if layout != _fused_layout(packed_mapping):
+                return None
             if set(f.keys()) != _fused_names(model, packed_mapping):
                 return None
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
@@ -169,14 +179,15 @@ def _read_fused(
         return None
 
 
-def _write_fused(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _write_fused(path: Path, tensors: dict[str, torch.Tensor], packed_mapping: dict) -> None:
     """Save the fused tensors for later loads (written aside, renamed into place); a failure
     (a read-only cache) only costs the concatenation again next time."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
         os.close(fd)
         try:
-            save_file({n: t.contiguous() for n, t in tensors.items()}, tmp)
+            metadata = {"packed_modules_mapping": _fused_layout(packed_mapping)}
+            save_file({n: t.contiguous() for n, t in tensors.items()}, tmp, metadata=metadata)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
