@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import pytest
 from live_server import LiveServer, shared_server
+from spec_decode_prompts import ASK_JSON, REGEX, SCHEMA
 
 pytestmark = pytest.mark.milestone("m16")
 
@@ -71,26 +72,7 @@ def test_streaming_logprobs_stop_strings_and_metrics(server):
     assert metrics[f'{per_pos}{{{labels},position="0"}}'] == stats["num_accepted_tokens_per_pos"][0]
 
 
-PERSON = {"name": "Ada Lovelace", "born": 1815, "city": "London", "languages": ["English"]}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
-        "city": {"type": "string", "maxLength": 12},
-        "languages": {
-            "type": "array",
-            "items": {"type": "string", "maxLength": 10},
-            "maxItems": 3,
-        },
-    },
-    "required": ["name", "born", "city", "languages"],
-    "additionalProperties": False,
-}
-# Asking to repeat a JSON object given in the prompt: prompt lookup drafts long runs of it.
-ASK_JSON = [{"role": "user", "content": "Repeat this JSON object exactly:\n" + json.dumps(PERSON)}]
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
-REGEX = r"[A-Z][a-z]{1,10} [A-Z][a-z]{1,10}"
 JSON = {"response_format": JSON_FORMAT}
 CONSTRAINED = {
     "json_schema": JSON,

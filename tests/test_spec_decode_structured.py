@@ -16,6 +16,7 @@ import re
 import jsonschema
 import pytest
 from conftest import assert_no_leak
+from spec_decode_prompts import ASK_JSON, REGEX, SCHEMA
 
 from nanollmserve import LLM, SamplingParams
 from nanollmserve.model import resolve_model
@@ -23,25 +24,6 @@ from nanollmserve.model import resolve_model
 pytestmark = pytest.mark.milestone("m16")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
-PERSON = {"name": "Ada Lovelace", "born": 1815, "city": "London", "languages": ["English"]}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
-        "city": {"type": "string", "maxLength": 12},
-        "languages": {
-            "type": "array",
-            "items": {"type": "string", "maxLength": 10},
-            "maxItems": 3,
-        },
-    },
-    "required": ["name", "born", "city", "languages"],
-    "additionalProperties": False,
-}
-# Asking to repeat a JSON object given in the prompt: prompt lookup drafts long runs of it.
-ASK = [{"role": "user", "content": "Repeat this JSON object exactly:\n" + json.dumps(PERSON)}]
-REGEX = r"[A-Z][a-z]{1,10} [A-Z][a-z]{1,10}"
 CONSTRAINTS = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": ["Ada Lovelace", "Alan Turing"]}]
 
 
@@ -64,9 +46,9 @@ def accepted_tokens(llm: LLM) -> int:
 
 def test_greedy_constrained_batch_equals_no_speculation(llm, spec_llm):
     params = [greedy(structured_outputs=so) for so in CONSTRAINTS] + [greedy()]
-    reference = llm.chat([ASK] * len(params), params, use_tqdm=False)
+    reference = llm.chat([ASK_JSON] * len(params), params, use_tqdm=False)
     before = accepted_tokens(spec_llm)
-    outputs = spec_llm.chat([ASK] * len(params), params, use_tqdm=False)
+    outputs = spec_llm.chat([ASK_JSON] * len(params), params, use_tqdm=False)
     assert token_ids(outputs) == token_ids(reference)
     assert accepted_tokens(spec_llm) > before
     json_out, regex_out, choice_out, plain_out = (o.outputs[0] for o in outputs)
@@ -78,7 +60,7 @@ def test_greedy_constrained_batch_equals_no_speculation(llm, spec_llm):
 
     # A constrained request alone gets drafts, and the target keeps some.
     before = accepted_tokens(spec_llm)
-    alone = spec_llm.chat([ASK], params[0], use_tqdm=False)
+    alone = spec_llm.chat([ASK_JSON], params[0], use_tqdm=False)
     assert token_ids(alone) == token_ids(reference[:1])
     assert accepted_tokens(spec_llm) - before >= 8
     assert_no_leak(spec_llm)
@@ -86,15 +68,15 @@ def test_greedy_constrained_batch_equals_no_speculation(llm, spec_llm):
 
 def test_stop_max_tokens_and_n_cut_the_same_way(llm, spec_llm):
     schema = {"json": SCHEMA}
-    full = llm.chat([ASK], greedy(structured_outputs=schema), use_tqdm=False)[0].outputs[0]
+    full = llm.chat([ASK_JSON], greedy(structured_outputs=schema), use_tqdm=False)[0].outputs[0]
     assert '"city"' in full.text
     params = [
         greedy(structured_outputs=schema, stop=['"city"']),  # a stop string inside a run
         greedy(max_tokens=13, structured_outputs=schema),
         greedy(structured_outputs=schema, n=2),
     ]
-    reference = llm.chat([ASK] * len(params), params, use_tqdm=False)
-    outputs = spec_llm.chat([ASK] * len(params), params, use_tqdm=False)
+    reference = llm.chat([ASK_JSON] * len(params), params, use_tqdm=False)
+    outputs = spec_llm.chat([ASK_JSON] * len(params), params, use_tqdm=False)
     assert token_ids(outputs) == token_ids(reference)
     stopped, cut, pair = outputs
     assert stopped.outputs[0].text == full.text[: full.text.index('"city"')]
@@ -111,7 +93,7 @@ def test_sampled_constrained_output_validates(spec_llm):
         SamplingParams(temperature=1.0, seed=s, n=3, max_tokens=120, structured_outputs=so)
         for s, so in enumerate(CONSTRAINTS[:2])
     ]
-    json_outs, regex_outs = spec_llm.chat([ASK, ASK], params, use_tqdm=False)
+    json_outs, regex_outs = spec_llm.chat([ASK_JSON, ASK_JSON], params, use_tqdm=False)
     for choice in json_outs.outputs:
         assert choice.finish_reason == "stop", choice.text
         jsonschema.validate(json.loads(choice.text), SCHEMA)
@@ -128,9 +110,9 @@ def test_draft_model_drafts_the_grammar_refuses(llm):
     spec = {"model": str(resolve_model(None).path), "num_speculative_tokens": 3}
     drafting = LLM(dtype="float32", num_kv_blocks=256, speculative_config=spec)
     params = [greedy(structured_outputs={"json": SCHEMA}), greedy()]
-    reference = llm.chat([ASK] * 2, params, use_tqdm=False)
+    reference = llm.chat([ASK_JSON] * 2, params, use_tqdm=False)
     assert reference[0].outputs[0].text != reference[1].outputs[0].text
-    outputs = drafting.chat([ASK] * 2, params, use_tqdm=False)
+    outputs = drafting.chat([ASK_JSON] * 2, params, use_tqdm=False)
     assert token_ids(outputs) == token_ids(reference)
     stats = drafting.engine.stats().spec_decode
     assert stats.num_accepted_tokens > 0
