@@ -112,11 +112,12 @@ def time_phases() -> dict[str, float]:
     lap("import torch + engine modules")
     from nanollmserve.engine.model_runner import zeroed_tensor
     from nanollmserve.frontend.tokenizer import load_tokenizer
-    from nanollmserve.layers.gguf_linear import apply_gguf_blocks, kernel_dtype
-    from nanollmserve.model.gguf_cache import cached_int4_blocks
+    from nanollmserve.layers.gguf_linear import apply_gguf_blocks
+    from nanollmserve.model.gguf_cache import cached_gguf_blocks
     from nanollmserve.model.loader import load_model
     from nanollmserve.model.model_config import ModelConfig
     from nanollmserve.model.source import resolve_model
+    from nanollmserve.native.build import load_kernels
 
     cpu, dtype = torch.device("cpu"), torch.float32
     source = resolve_model(None)
@@ -124,10 +125,12 @@ def time_phases() -> dict[str, float]:
     lap("source + config")
     model = load_model(source.path, config, dtype, cpu, cache_fused=True)
     lap("build + load weights")
-    blocks = cached_int4_blocks(source.path, source.gguf_path, config, kernel_dtype(dtype))
-    lap("GGUF int4 blocks")
+    load_kernels()
+    lap("native kernels (built once per machine)")
+    blocks = cached_gguf_blocks(source.path, source.gguf_path, config)
+    lap("GGUF blocks")
     apply_gguf_blocks(model, blocks)
-    lap("apply blocks + fp16 output projection")
+    lap("apply blocks")
     heads, head_dim = config.num_kv_heads, config.head_dim
     zeroed_tensor((2, config.num_layers, 1456, 16, heads, head_dim), dtype, cpu)
     lap("KV pool")

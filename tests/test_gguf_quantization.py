@@ -1,7 +1,8 @@
-"""`--quantization gguf`: the GGUF file's own 4-bit blocks, run through PyTorch's int4 kernel."""
+"""`--quantization gguf`: the GGUF file's own blocks, run through the native block kernels."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,13 +11,11 @@ from torch import nn
 from nanollmserve import SamplingParams
 from nanollmserve.errors import UserError
 from nanollmserve.layers.gguf_linear import (
-    MAX_INT4_ROWS,
-    GGUFInt4Linear,
-    int4_kernel_for_every_step,
-    pack_int4_blocks,
+    MAX_NATIVE_ROWS,
+    GGUFLinear,
+    native_kernel_for_every_step,
 )
-from nanollmserve.layers.quantization import Fp16Linear
-from nanollmserve.model.gguf_blocks import Int4Blocks, read_int4_blocks
+from nanollmserve.model.gguf_blocks import KIND_Q4, KIND_Q8, BlockRows, read_gguf_blocks
 from nanollmserve.model.gguf_cache import cache_root
 from nanollmserve.model.source import bundled_gguf_path
 
@@ -30,50 +29,72 @@ CHATS = [
 ]
 
 
-def _random_blocks(rows: int, cols: int, q4_1: bool = True) -> Int4Blocks:
-    torch.manual_seed(0)
-    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
-    d = torch.rand(rows, cols // 32) * 0.05
-    m = -torch.rand(rows, cols // 32) * 0.4 if q4_1 else torch.zeros(rows, cols // 32)
-    return Int4Blocks(codes, d, m + 8 * d if q4_1 else m)
+def random_block_rows(rows: int, cols: int, kind: int = KIND_Q4, seed: int = 0) -> BlockRows:
+    """Random blocks in the kernels' row layout (Q4: codes, d, m; Q8: codes, d)."""
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    d = (rng.random((rows, nb)) * 0.05).astype(np.float16).view(np.uint8).reshape(rows, -1)
+    if kind == KIND_Q8:
+        codes = rng.integers(-128, 128, (rows, cols), dtype=np.int8).view(np.uint8)
+        return BlockRows(kind, torch.from_numpy(np.concatenate([codes, d], axis=1)))
+    codes = rng.integers(0, 256, (rows, nb * 16), dtype=np.uint8)
+    m = (-rng.random((rows, nb)) * 0.4).astype(np.float16).view(np.uint8).reshape(rows, -1)
+    return BlockRows(kind, torch.from_numpy(np.concatenate([codes, d, m], axis=1)))
 
 
-@pytest.mark.parametrize("rows", [1, 3, MAX_INT4_ROWS, MAX_INT4_ROWS + 1, 40])
-def test_int4_linear_computes_the_blocks_weights_at_every_step_size(rows):
-    blocks = _random_blocks(96, 128)
+@pytest.mark.parametrize("kind", [KIND_Q4, KIND_Q8])
+@pytest.mark.parametrize("rows", [1, 3, MAX_NATIVE_ROWS, MAX_NATIVE_ROWS + 1, 40])
+def test_gguf_linear_computes_the_blocks_weights_at_every_step_size(kind, rows):
+    blocks = random_block_rows(96, 160, kind)  # 5 blocks a row: the 8-block loop and the tail
     weight = blocks.dequantize()
     bias = torch.randn(96)
-    layer = GGUFInt4Linear(weight, bias, **pack_int4_blocks(blocks, torch.bfloat16))
-    x = torch.randn(rows, 128)
-    expected = F.linear(x, weight, bias)
+    layer = GGUFLinear(weight, bias, blocks)
+    x = torch.randn(rows, 160)
+    x[0, 7] = 40.0  # an outlier: its block's other activations keep 15 bits below it
+    expected = F.linear(x.double(), weight.double(), bias.double()).float()
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    # Small steps run the int4 kernel in bfloat16 (activations and block constants rounded to
-    # 8 significant bits), large ones the dense float32 copy (exact).
-    tolerance = 2e-2 if rows <= MAX_INT4_ROWS else 1e-5
+    # Small steps run the native kernel (activations rounded to int16 per block of 32), large
+    # ones the dense float32 copy.
+    tolerance = 2e-4 if rows <= MAX_NATIVE_ROWS else 1e-5
     assert (got - expected).abs().max() / expected.abs().max() < tolerance
 
 
-def test_bench_quality_can_force_every_step_through_the_int4_kernel():
-    blocks = _random_blocks(64, 96)
-    model = nn.Sequential(
-        GGUFInt4Linear(blocks.dequantize(), None, **pack_int4_blocks(blocks, torch.bfloat16))
-    )
-    x = torch.randn(MAX_INT4_ROWS + 8, 96)
+def test_q4_0_blocks_run_as_q4_1_with_m_minus_8d():
+    from nanollmserve.model.gguf_blocks import _block_rows
+
+    rng = np.random.default_rng(1)
+    d = (rng.random((4, 2)) * 0.1).astype(np.float16)
+    codes = rng.integers(0, 256, (4, 2, 16), dtype=np.uint8)
+    raw = np.concatenate([d.view(np.uint8).reshape(4, 2, 2), codes], axis=-1).reshape(4, -1)
+    blocks = _block_rows(raw, "Q4_0")
+    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).astype(np.float32)
+    expected = (d.astype(np.float32)[..., None] * (nibbles - 8)).reshape(4, 64)
+    assert blocks.kind == KIND_Q4
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
+
+
+def test_bench_quality_can_force_every_step_through_the_native_kernel():
+    blocks = random_block_rows(64, 96)
+    model = nn.Sequential(GGUFLinear(blocks.dequantize(), None, blocks))
+    x = torch.randn(MAX_NATIVE_ROWS + 8, 96)
     dense = model(x)
-    int4_kernel_for_every_step(model)
+    native_kernel_for_every_step(model)
     kernel = model(x)
-    assert not torch.equal(kernel, dense)  # bfloat16 arithmetic, not the float32 copy
-    assert (kernel - dense).abs().max() / dense.abs().max() < 2e-2
+    assert not torch.equal(kernel, dense)  # the kernel's int16 activations, not the dense copy
+    assert (kernel - dense).abs().max() / dense.abs().max() < 2e-4
 
 
 def test_the_file_blocks_are_the_weights_of_the_converted_checkpoint(make_llm):
     """Nothing is re-quantized: the blocks dequantize bit for bit to what transformers made of
-    the same file (q/k row order of llama.cpp undone, q/k/v and gate/up fused)."""
+    the same file (q/k row order of llama.cpp undone, q/k/v and gate/up fused; the tied output
+    projection is the Q8_0 embedding table)."""
     llm = make_llm(dtype="float32")
     weights = llm.engine.loaded.model.state_dict()
-    blocks = read_int4_blocks(bundled_gguf_path(), llm.engine.loaded.model_config)
-    assert len(blocks) == 30 * 4  # qkv, o, gate_up, down of every layer (the file is Q4_1)
+    blocks = read_gguf_blocks(bundled_gguf_path(), llm.engine.loaded.model_config)
+    assert len(blocks) == 30 * 4 + 1  # qkv, o, gate_up, down of every layer, and the lm_head
+    assert blocks["lm_head.weight"].kind == KIND_Q8
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     for name, b in blocks.items():
         assert torch.equal(b.dequantize(), weights[name]), name
 
@@ -83,19 +104,19 @@ def test_the_bundled_model_answers_like_float32_with_gguf_blocks(make_llm):
     gguf = make_llm(quantization="gguf")
     model = gguf.engine.loaded.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert sum(isinstance(m, GGUFInt4Linear) for m in model.modules()) == 120
-    assert isinstance(model.lm_head, Fp16Linear)  # the tied Q8_0 table as float16
+    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 121
+    assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.kind == KIND_Q8
     params = SamplingParams(temperature=0.0, max_tokens=32)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
-    expected = [o.outputs[0].token_ids for o in plain.chat(chats, params)]
-    got = [o.outputs[0] for o in gguf.chat(chats, params)]
-    assert "Paris" in got[0].text
-    # bfloat16 activations in the int4 kernel may flip a late near-tie; most answers agree
-    # token for token, and every one for its first 8 tokens.
-    assert sum(list(g.token_ids) == list(e) for g, e in zip(got, expected, strict=True)) >= 3
-    assert all(list(g.token_ids[:8]) == list(e[:8]) for g, e in zip(got, expected, strict=True))
-    packed_files = list((cache_root() / "gguf").glob("*/gguf-int4-*.safetensors"))
-    assert packed_files, "the packed blocks are kept in the conversion cache"
+    expected = [list(o.outputs[0].token_ids) for o in plain.chat(chats, params)]
+    batched = [o.outputs[0] for o in gguf.chat(chats, params)]
+    single = [gguf.chat([chat], params)[0].outputs[0] for chat in chats]
+    assert "Paris" in batched[0].text
+    # int16 activations keep the float32 answers token for token (the int4 kernel's bfloat16
+    # activations flipped a late near-tie on one of these chats).
+    assert [list(o.token_ids) for o in batched] == expected
+    assert [list(o.token_ids) for o in single] == expected
+    assert list((cache_root() / "gguf").glob("*/gguf-blocks-v*.safetensors")), "kept in the cache"
 
 
 def test_gguf_quantization_needs_a_gguf_model(tmp_path):

@@ -46,9 +46,10 @@ class EngineConfig:
     tokenizer: str | None = None
     """A Hugging Face tokenizer directory to use instead of the model's."""
     quantization: str | None = None
-    """CPU weight formats: gguf (a GGUF file's own Q4_0/Q4_1 blocks through PyTorch's int4
-    kernel; the default for GGUF models on CPU with --dtype auto), int8 (weight-only int8), fp16
-    (float16 weights, float32 math), or none (the dequantized weights in --dtype)."""
+    """CPU weight formats: gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks through our native
+    kernels, float32 math; the default for GGUF models on CPU with --dtype auto), int8
+    (weight-only int8), fp16 (float16 weights, float32 math), or none (the dequantized weights
+    in --dtype)."""
     tensor_parallel_size: int = 1
     """Shard the model over N ranks (Megatron-style: heads, MLP and vocabulary split); rank 0
     spawns the others on this machine (GPUs cuda:0..N-1, or CPU processes with gloo)."""

@@ -3,9 +3,9 @@
 Each configuration (`--configs`, default fp32, bf16, int8, fp16, gguf) is the bundled model (or
 `--model`) loaded as the engine loads it (`load_engine_model`): `fp32` and `bf16` are the GGUF
 dequantized to float32 / bfloat16 (`--dtype`), `int8` and `fp16` are `--quantization int8|fp16`
-and `gguf` is `--quantization gguf` (the file's own 4-bit blocks, every step forced through the
-int4 kernel as decode steps run, not the dense copy large steps use). Every configuration scores
-the same fixed public-domain English text (tests/data/quality, ~4.2k tokens) through the
+and `gguf` is `--quantization gguf` (the file's own blocks, every step forced through the
+native block kernel as decode steps run, not the dense copy large steps use). Every configuration
+scores the same fixed public-domain English text (tests/data/quality, ~4.2k tokens) through the
 engine's model forward over the same sliding windows (`bench/perplexity.py`) and reports its
 perplexity, the tokens scored, the relative perplexity difference against fp32 (the
 reference), the mean KL divergence KL(fp32 || config) of the next-token distributions and how
@@ -124,11 +124,11 @@ def run(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, device=args.device, **CONFIGS[name])
         loaded[name] = load_engine_model(config)
         if loaded[name].quantization == "gguf":
-            from nanollmserve.layers.gguf_linear import int4_kernel_for_every_step
+            from nanollmserve.layers.gguf_linear import native_kernel_for_every_step
 
-            # Score the int4 kernel's arithmetic (what decode runs), not the dense copy that
+            # Score the native kernel's arithmetic (what decode runs), not the dense copy that
             # large steps such as this whole-text forward would otherwise use.
-            int4_kernel_for_every_step(loaded[name].model)
+            native_kernel_for_every_step(loaded[name].model)
     source = loaded[REFERENCE].source
     tokenizer = load_tokenizer(loaded[REFERENCE].model_dir)
     token_ids = tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]

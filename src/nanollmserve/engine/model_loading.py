@@ -42,14 +42,14 @@ class LoadedModel:
 def load_engine_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    if config.quantization in COMPUTE_DTYPES:
-        dtype = quantization_dtype(config, dtype)
     source = resolve_model(config.model)
+    quantization = resolve_quantization(config, source, device)
+    dtype = resolve_dtype(config.dtype, device)
+    if quantization in COMPUTE_DTYPES:
+        dtype = quantization_dtype(config, quantization, dtype)
     model_config = ModelConfig.from_pretrained(source.path)
     # A GGUF source's directory is our cache entry: it keeps the fused weights for later loads.
     model = load_model(source.path, model_config, dtype, device, source.gguf_path is not None)
-    quantization = resolve_quantization(config, source, device)
     if quantization:
         if device.type != "cpu":
             raise UserError(f"--quantization {quantization} runs on the CPU only")
@@ -85,13 +85,13 @@ def resolve_quantization(config: EngineConfig, source: ModelSource, device: torc
     return None
 
 
-def quantization_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+def quantization_dtype(config: EngineConfig, method: str, dtype: torch.dtype) -> torch.dtype:
     """The activation dtype a quantization method computes in: `--dtype auto` picks it."""
-    required = COMPUTE_DTYPES[config.quantization]
+    required = COMPUTE_DTYPES[method]
     if config.dtype != "auto" and dtype != required:
         name = str(required).removeprefix("torch.")
         raise UserError(
-            f"--quantization {config.quantization} computes in {name}: "
+            f"--quantization {method} computes in {name}: "
             f"use --dtype {name} or auto, not {config.dtype}"
         )
     return required
@@ -104,24 +104,33 @@ def use_gguf_blocks(
     dtype: torch.dtype,
     asked: str | None,
 ) -> bool:
-    """`gguf`: the linear layers run the GGUF file's own 4-bit blocks -> False when the file
-    has none and `--quantization gguf` was not `asked` for (else that is a UserError)."""
-    from nanollmserve.layers.gguf_linear import apply_gguf_blocks, kernel_dtype
-    from nanollmserve.model.gguf_cache import cached_int4_blocks
+    """`gguf`: the linear layers run the GGUF file's own quantized blocks through the native
+    kernels -> False when the file has none or the kernels cannot run here and `--quantization
+    gguf` was not `asked` for (else that is a UserError)."""
+    from nanollmserve.layers.gguf_linear import apply_gguf_blocks
+    from nanollmserve.model.gguf_cache import cached_gguf_blocks
+    from nanollmserve.native.build import kernels_unavailable_reason
 
     if source.gguf_path is None:
         raise UserError(
             f"--quantization {GGUF_METHOD} runs a GGUF file's blocks: give the bundled model or "
             f"a *.gguf file, not {source.description}"
         )
-    packed = cached_int4_blocks(source.path, source.gguf_path, model_config, kernel_dtype(dtype))
-    if not packed and asked is None:
-        return False
-    if not packed:
+    reason = kernels_unavailable_reason()
+    if reason is not None:
+        if asked is None:
+            logger.warning("running the dequantized weights: %s", reason)
+            return False
+        raise UserError(f"--quantization {GGUF_METHOD} needs the native kernels: {reason}")
+    blocks = cached_gguf_blocks(source.path, source.gguf_path, model_config)
+    if not any(name != "lm_head.weight" for name in blocks):
+        if asked is None:
+            return False
         raise UserError(
             f"--quantization {GGUF_METHOD}: {source.gguf_path.name} stores no linear weight as "
-            "Q4_0 or Q4_1 blocks (other block types run dequantized: leave --quantization unset)"
+            "Q4_0, Q4_1 or Q8_0 blocks (other block types run dequantized: leave --quantization "
+            "unset)"
         )
-    replaced = apply_gguf_blocks(model, packed)
-    logger.info("%d linear layers run their GGUF 4-bit blocks", replaced)
+    replaced = apply_gguf_blocks(model, blocks)
+    logger.info("%d linear layers run their GGUF blocks", replaced)
     return True

@@ -9,7 +9,8 @@ builds the flat batch (input ids, positions, slot mapping, block tables) with te
 over requests, never a Python loop over tokens, sets the attention context, runs the model
 on the flat batch, computes logits only at the positions that sample, and samples. A
 one-token step runs its matmuls on the CPU kernel that is fastest for one row
-(`layers/cpu_matmul.py`).
+(`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step that is one decode token of
+one request runs as a single native call instead (`engine/native_decode.py`).
 
 Speculative decoding: a request with draft tokens in `scheduled.spec_token_ids` runs its last
 token and its k drafts as one span; the target samples a token at each of those k + 1
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from nanollmserve.engine.messages import SampledToken, TokenLogprobs
+from nanollmserve.engine.native_decode import NativeDecodeStep
 from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
 from nanollmserve.engine.spec_decode.rejection_sampler import num_accepted
@@ -65,6 +67,8 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+        # One decode token of one request runs as one native call when the model allows it.
+        self.native_decode = NativeDecodeStep.for_model(model, num_blocks * block_size)
         self.sampler = Sampler(seed=seed, device=device)
         self.grammar_bitmask = GrammarBitmask()
         self.step_sender: Callable[..., None] | None = None
@@ -74,8 +78,15 @@ class ModelRunner:
     def execute_model(self, scheduled: SchedulerOutput) -> list[list[SampledToken]]:
         """The tokens each request emits: one, none (a prefill chunk short of the prompt's
         end) or, with draft tokens, the accepted drafts and one more."""
-        input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
-        logits = self.run_model(input_ids, positions, logits_indices if sample_rows else None)
+        if self._is_single_decode(scheduled):
+            request = scheduled.requests[0]
+            position = request.num_computed_tokens
+            token_id = request.all_token_ids[position]
+            logits = self.native_decode(token_id, position, scheduled.block_ids[0])
+            sample_rows = [0]
+        else:
+            input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
+            logits = self.run_model(input_ids, positions, logits_indices if sample_rows else None)
         if logits is None:
             return [[] for _ in scheduled.requests]
         # One logits row per sampled position: k + 1 for a request with k drafts.
@@ -101,6 +112,19 @@ class ModelRunner:
                 targets = targets[: num_accepted(draft, [t.token_id for t in targets]) + 1]
             results[row] = targets
         return results
+
+    def _is_single_decode(self, scheduled: SchedulerOutput) -> bool:
+        """A step the native decode runs: one request's next token, no drafts, one rank."""
+        return (
+            self.native_decode is not None
+            and self.step_sender is None
+            and len(scheduled.requests) == 1
+            and scheduled.num_decodes == 1
+            and scheduled.num_new_tokens[0] == 1
+            and not scheduled.spec_token_ids
+            # the last token: a one-token prefill chunk short of the prompt's end samples nothing
+            and scheduled.requests[0].num_computed_tokens + 1 == scheduled.requests[0].num_tokens
+        )
 
     @torch.inference_mode()
     def run_model(

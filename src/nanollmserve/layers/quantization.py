@@ -16,8 +16,9 @@ Large batches are compute-bound and run faster in bfloat16 with either format of
 lm_head is replaced too (for tied embeddings, a converted copy: the embedding lookup keeps
 the original table).
 
-- `gguf`: the linear weights a GGUF file stores as Q4_0 / Q4_1 blocks run from those blocks
-  through PyTorch's int4 kernel (`layers/gguf_linear.py`); nothing is re-quantized. (Re-quantizing
+- `gguf`: the linear weights a GGUF file stores as Q4_0 / Q4_1 / Q8_0 blocks run from those
+  blocks through our native kernels (`layers/gguf_linear.py`), in a float32 model; nothing is
+  re-quantized. (Re-quantizing
   the dequantized weights to 4 bits with our own scales was tried first and left out: on the
   bundled 135 M model it changed greedy answers.)
 """
@@ -82,7 +83,7 @@ LINEAR_CLASSES = {"int8": Int8Linear, "fp16": Fp16Linear}
 QUANTIZATION_METHODS = (*LINEAR_CLASSES, "gguf")
 GGUF_METHOD = "gguf"
 """Runs a GGUF file's own blocks: the loader applies it (`gguf_linear.apply_gguf_blocks`)."""
-COMPUTE_DTYPES = {"fp16": torch.float32}
+COMPUTE_DTYPES = {"fp16": torch.float32, "gguf": torch.float32}
 """Methods whose kernels take one activation dtype only (the others use the model's)."""
 
 

@@ -1,19 +1,22 @@
-"""The GGUF file's own 4-bit blocks of each linear weight, under our module names.
+"""The GGUF file's own quantized blocks of each linear weight, under our module names.
 
-A GGUF Q4_0 / Q4_1 tensor is a row-major matrix `[out, in]` cut into blocks of 32 inputs; a
-Q4_1 block is `d` (float16), `m` (float16) and 16 bytes of 4-bit codes `q` (0..15), and
-stands for the weights `d * q + m`; a Q4_0 block has no `m` and stands for `d * (q - 8)`.
-Byte `j` of a block holds input `j` in its low nibble and input `j + 16` in its high one.
+A GGUF Q4_0 / Q4_1 / Q8_0 tensor is a row-major matrix `[out, in]` cut into blocks of 32
+inputs: a Q4_1 block is `d` (float16), `m` (float16) and 16 bytes of 4-bit codes `q` (0..15)
+standing for the weights `d * q + m` (byte `j` holds input `j` in its low nibble and input
+`j + 16` in its high one); a Q4_0 block has no `m` and stands for `d * (q - 8)`; a Q8_0 block
+is `d` and 32 signed bytes standing for `d * q`.
 
-This module reads those blocks (never the dequantized floats) and returns, per linear weight
-of our model (`model.layers.0.self_attn.qkv_proj.weight`, ...), the codes as int32 `[out, in]`
-and the per-block constants `d` and `m` as float32 `[out, in / 32]`, ready for PyTorch's int4
-kernel (`layers/gguf_linear.py`). q/k/v and gate/up are concatenated along the output rows as
-the fused modules expect, and llama.cpp's reordering of the query and key rows of Llama-family
+This module reads those blocks (never the dequantized floats) and lays each weight out as the
+native kernels read it (`native/gguf_cpu.c`), one row of bytes per output: the row's codes,
+then its `d` constants, then (4-bit kinds) its `m` constants, Q4_0 stored as Q4_1 with
+`m = -8 d` (exact in float16). q/k/v and gate/up are concatenated along the output rows as the
+fused modules expect, and llama.cpp's reordering of the query and key rows of Llama-family
 files (its converter interleaves the two rotary halves of each head) is undone on the rows, as
 transformers undoes it on the floats, so row `i` here is row `i` of the dequantized checkpoint.
+The output projection (`lm_head.weight`) is the file's `output.weight`, or for tied embeddings
+its `token_embd.weight`.
 
-Tensors of other types (Q8_0, K-quants, floats) are not returned: they stay dequantized.
+Tensors of other types (K-quants, floats) are not returned: they stay dequantized.
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ import torch
 from nanollmserve.model.model_config import ModelConfig
 
 BLOCK_SIZE = 32
-INT4_TYPES = ("Q4_0", "Q4_1")
-"""GGUF block types kept quantized (4-bit codes, one or two float16 constants per block)."""
+KIND_Q4 = 4
+"""4-bit codes with per-block `d` and `m` (from Q4_0 or Q4_1)."""
+KIND_Q8 = 8
+"""8-bit codes with a per-block `d` (from Q8_0)."""
+BLOCK_KINDS = {"Q4_0": KIND_Q4, "Q4_1": KIND_Q4, "Q8_0": KIND_Q8}
+"""GGUF block types kept quantized -> the kernel kind that runs them."""
+ROW_BYTES_PER_BLOCK = {KIND_Q4: 20, KIND_Q8: 34}
 
 _LAYER_TENSORS = {
     "attn_q": ("self_attn.qkv_proj", 0),
@@ -44,41 +52,58 @@ _ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
 @dataclass
-class Int4Blocks:
-    """One linear weight in 4-bit blocks: `w[o, i] = scale[o, i // 32] * (codes[o, i] - 8) +
-    zero[o, i // 32]` (the form of PyTorch's int4 kernel)."""
+class BlockRows:
+    """One weight `[out, in]` as rows of quantized blocks, laid out for the native kernels."""
 
-    codes: torch.Tensor
-    """int32 [out, in], values 0..15."""
-    scale: torch.Tensor
-    """float32 [out, in / 32]: the block's `d`."""
-    zero: torch.Tensor
-    """float32 [out, in / 32]: `m + 8 d` (Q4_1) or 0 (Q4_0)."""
+    kind: int
+    """KIND_Q4 or KIND_Q8."""
+    rows: torch.Tensor
+    """uint8 [out, in / 32 * ROW_BYTES_PER_BLOCK[kind]]."""
+
+    @property
+    def in_features(self) -> int:
+        return self.rows.shape[1] // ROW_BYTES_PER_BLOCK[self.kind] * BLOCK_SIZE
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weights these blocks stand for."""
-        scale = self.scale.repeat_interleave(BLOCK_SIZE, dim=1)
-        zero = self.zero.repeat_interleave(BLOCK_SIZE, dim=1)
-        return (self.codes - 8).float() * scale + zero
+        out, nb = self.rows.shape[0], self.in_features // BLOCK_SIZE
+        raw = self.rows.numpy()
+        code_bytes = nb * (16 if self.kind == KIND_Q4 else BLOCK_SIZE)
+        d = raw[:, code_bytes : code_bytes + 2 * nb].copy().view(np.float16).astype(np.float32)
+        if self.kind == KIND_Q8:
+            codes = raw[:, :code_bytes].view(np.int8).reshape(out, nb, BLOCK_SIZE)
+            weights = codes.astype(np.float32) * d[..., None]
+        else:
+            m = raw[:, code_bytes + 2 * nb :].copy().view(np.float16).astype(np.float32)
+            packed = raw[:, :code_bytes].reshape(out, nb, 16)
+            codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+            weights = codes.astype(np.float32) * d[..., None] + m[..., None]
+        return torch.from_numpy(weights.reshape(out, nb * BLOCK_SIZE))
 
 
-def read_int4_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, Int4Blocks]:
-    """Our weight name -> its blocks, for every linear weight stored as Q4_0 / Q4_1 whose fused
-    parts all are (a fused module with one part of another type stays dequantized)."""
+def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRows]:
+    """Our weight name -> its block rows, for every linear weight stored as Q4_0 / Q4_1 / Q8_0
+    whose fused parts all are, of one kind (else the module stays dequantized)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
     architecture = _architecture(reader)
-    parts: dict[str, dict[int | None, Int4Blocks]] = {}
+    parts: dict[str, dict[int | None, BlockRows]] = {}
+    output: dict[str, BlockRows] = {}
     for tensor in reader.tensors:
-        name = tensor.name
+        name, block_type = tensor.name, tensor.tensor_type.name
+        if block_type not in BLOCK_KINDS:
+            continue
+        if name in ("output.weight", "token_embd.weight"):
+            output[name] = _block_rows(np.asarray(tensor.data), block_type)
+            continue
         if not name.startswith("blk.") or not name.endswith(".weight"):
             continue
         _, layer, key, _ = name.split(".")
-        if key not in _LAYER_TENSORS or tensor.tensor_type.name not in INT4_TYPES:
+        if key not in _LAYER_TENSORS:
             continue
         module, shard = _LAYER_TENSORS[key]
-        blocks = _blocks(np.asarray(tensor.data), tensor.tensor_type.name)
+        blocks = _block_rows(np.asarray(tensor.data), block_type)
         if architecture in _ROTARY_PERMUTED_ARCHITECTURES and key in ("attn_q", "attn_k"):
             heads = config.num_heads if key == "attn_q" else config.num_kv_heads
             blocks = _unpermute_rows(blocks, heads)
@@ -86,14 +111,17 @@ def read_int4_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, Int4Bloc
     weights = {}
     for name, shards in parts.items():
         expected = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-        if len(shards) != expected:
+        kinds = {b.kind for b in shards.values()}
+        if len(shards) != expected or len(kinds) != 1:
             continue
         ordered = [shards[i] for i in sorted(shards, key=lambda s: -1 if s is None else s)]
-        weights[name] = Int4Blocks(
-            torch.cat([b.codes for b in ordered]),
-            torch.cat([b.scale for b in ordered]),
-            torch.cat([b.zero for b in ordered]),
-        )
+        weights[name] = BlockRows(kinds.pop(), torch.cat([b.rows for b in ordered]))
+    # A file without `output.weight` ties the output projection to the embedding table.
+    lm_head = output.get("output.weight") or (
+        output.get("token_embd.weight") if config.tie_word_embeddings else None
+    )
+    if lm_head is not None:
+        weights["lm_head.weight"] = lm_head
     return weights
 
 
@@ -104,31 +132,28 @@ def _architecture(reader) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
 
 
-def _blocks(raw: np.ndarray, block_type: str) -> Int4Blocks:
-    """`raw`: uint8 [out, blocks * bytes per block] as stored in the file."""
+def _block_rows(raw: np.ndarray, block_type: str) -> BlockRows:
+    """`raw`: uint8 [out, blocks * bytes per block] as stored in the file -> kernel rows."""
     rows = raw.shape[0]
-    block_bytes = 20 if block_type == "Q4_1" else 18
-    blocks = raw.reshape(rows, -1, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if block_type == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8.0 * d
-        packed = blocks[..., 4:]
-    else:
-        zero = np.zeros_like(d)
-        packed = blocks[..., 2:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # inputs 0..15, then 16..31
-    return Int4Blocks(
-        torch.from_numpy(codes.reshape(rows, -1).astype(np.int32)),
-        torch.from_numpy(d),
-        torch.from_numpy(zero),
-    )
+    if block_type == "Q8_0":
+        blocks = raw.reshape(rows, -1, 34)
+        laid_out = [blocks[..., 2:], blocks[..., 0:2]]  # codes, then d
+    elif block_type == "Q4_1":
+        blocks = raw.reshape(rows, -1, 20)
+        laid_out = [blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4]]  # codes, d, m
+    else:  # Q4_0: d * (q - 8) = d * q + m with m = -8 d (a power-of-two multiple: exact)
+        blocks = raw.reshape(rows, -1, 18)
+        d = blocks[..., 0:2].copy().view(np.float16)
+        m = (d.astype(np.float32) * -8.0).astype(np.float16).view(np.uint8)
+        laid_out = [blocks[..., 2:], blocks[..., 0:2], m]
+    row_bytes = np.concatenate([part.reshape(rows, -1) for part in laid_out], axis=1)
+    return BlockRows(BLOCK_KINDS[block_type], torch.from_numpy(np.ascontiguousarray(row_bytes)))
 
 
-def _unpermute_rows(blocks: Int4Blocks, num_heads: int) -> Int4Blocks:
+def _unpermute_rows(blocks: BlockRows, num_heads: int) -> BlockRows:
     """Undo llama.cpp's per-head interleave of the rotary halves (rows only: blocks run along
     the inputs, so a row permutation keeps every block whole)."""
-    rows = blocks.codes.shape[0]
+    rows = blocks.rows.shape[0]
     half = rows // num_heads // 2
     order = torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(rows)
-    return Int4Blocks(blocks.codes[order], blocks.scale[order], blocks.zero[order])
+    return BlockRows(blocks.kind, blocks.rows[order].contiguous())

@@ -28,6 +28,8 @@ from nanollmserve.errors import UserError
 
 CONVERSION_VERSION = 1
 """Bump when the conversion output changes, so old cache entries are not reused."""
+GGUF_BLOCKS_VERSION = 1
+"""Bump when the block row layout changes (the file name carries it)."""
 TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -137,38 +139,31 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
             pass
 
 
-def cached_int4_blocks(entry: Path, gguf_path: Path, config, dtype) -> dict:
-    """The GGUF's 4-bit linear weights packed for PyTorch's int4 kernel (`--quantization gguf`):
-    weight name -> {"packed", "scale_zero"}, read from `entry` or packed once and saved there.
+def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
+    """The GGUF's quantized linear weights in the native kernels' row layout
+    (`--quantization gguf`): weight name -> `BlockRows`, read from `entry` or laid out once and
+    saved there (the layout is the same on every CPU)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    The kernel's packed layout depends on the CPU's vector ISA, so the file name carries
-    PyTorch's CPU capability (and the activation dtype of the block constants).
-    """
-    import torch
-    from safetensors.torch import load_file, save_file
+    from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
 
-    from nanollmserve.layers.gguf_linear import pack_int4_blocks
-    from nanollmserve.model.gguf_blocks import read_int4_blocks
-
-    capability = torch.backends.cpu.get_cpu_capability()
-    dtype_name = str(dtype).removeprefix("torch.")
-    path = entry / f"gguf-int4-{capability.lower()}-{dtype_name}.safetensors"
+    path = entry / f"gguf-blocks-v{GGUF_BLOCKS_VERSION}.safetensors"
     if not path.is_file():
-        logger.info("packing the 4-bit blocks of %s once into %s", gguf_path.name, path.name)
-        flat = {}
-        for name, blocks in read_int4_blocks(gguf_path, config).items():
-            for part, tensor in pack_int4_blocks(blocks, dtype).items():
-                flat[f"{name}:{part}"] = tensor
+        logger.info("laying out the quantized blocks of %s once into %s", gguf_path.name, path.name)
+        blocks = read_gguf_blocks(gguf_path, config)
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".safetensors", dir=entry)
         os.close(fd)
         try:
-            save_file(flat, tmp, metadata={"gguf_file": gguf_path.name})
+            kinds = {name: b.kind for name, b in blocks.items()}
+            tensors = {name: b.rows for name, b in blocks.items()}
+            save_file(
+                tensors, tmp, metadata={"gguf_file": gguf_path.name, "kinds": json.dumps(kinds)}
+            )
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    packed: dict = {}
-    for key, tensor in load_file(path).items():
-        name, part = key.rsplit(":", 1)
-        packed.setdefault(name, {})[part] = tensor
-    return packed
+    with safe_open(path, framework="pt") as f:
+        kinds = json.loads((f.metadata() or {})["kinds"])
+        return {name: BlockRows(kinds[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118 (not a dict)

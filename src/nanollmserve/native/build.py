@@ -1,0 +1,138 @@
+"""Compile `gguf_cpu.c` once per machine and load it with ctypes.
+
+The library is plain C with OpenMP (no PyTorch headers, so it compiles in about a second),
+built with the system C compiler (`$CC`, default `cc`) into
+`$NANOLLMSERVE_CACHE/native/<hash>/`, where the hash covers the source, the flags and the
+compiler's version: a changed source or compiler builds a new library, a finished one is
+never rebuilt. A build writes into a temporary file and renames it into place, so concurrent
+starts (the workers of a cluster) never load a half-written library.
+
+It loads after PyTorch, so its OpenMP runtime is the one PyTorch already loaded (same
+`libgomp.so.1` soname): one thread pool, not two.
+
+`load_kernels()` returns None, with the reason logged once, where the kernels cannot run: not
+Linux x86-64, a CPU without AVX2/FMA/F16C, no C compiler, or a failed build. Callers then
+keep the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_cpu.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class NativeUnavailable(RuntimeError):
+    """Why the native kernels cannot run on this machine."""
+
+
+def cpu_supports_kernels() -> str | None:
+    """None when this CPU runs the kernels, else why not."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"the native kernels are x86-64 Linux only (this is {platform.machine()})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError as error:
+        return f"cannot read /proc/cpuinfo: {error}"
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise NativeUnavailable(f"no C compiler ({compiler!r} not found; set CC)")
+    return compiler
+
+
+def library_path() -> Path:
+    """Where the library for this source, these flags and this compiler lives (built or not)."""
+    from nanollmserve.model.gguf_cache import cache_root
+
+    compiler = _compiler()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(version.encode())
+    return cache_root() / "native" / digest.hexdigest()[:16] / "libgguf_cpu.so"
+
+
+def build_library() -> Path:
+    """The compiled library, building it first when needed; NativeUnavailable on failure."""
+    reason = cpu_supports_kernels()
+    if reason:
+        raise NativeUnavailable(reason)
+    path = library_path()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        command = [_compiler(), *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NativeUnavailable(f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, path)
+        logger.info("built the native GGUF kernels into %s", path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_kernels() -> ctypes.CDLL | None:
+    """The loaded library with its function signatures set, or None (reason logged once)."""
+    return _load()[0]
+
+
+def kernels_unavailable_reason() -> str | None:
+    """None when the kernels are loaded, else why they cannot run here."""
+    return _load()[1]
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    import torch  # noqa: F401  (first: its OpenMP runtime is the one the library binds to)
+
+    try:
+        library = ctypes.CDLL(str(build_library()))
+    except (NativeUnavailable, OSError) as error:
+        logger.warning("native GGUF kernels unavailable: %s", error)
+        return None, str(error)
+    c_int64, c_ptr = ctypes.c_int64, ctypes.c_void_p
+    library.nls_gguf_matmul.argtypes = [
+        ctypes.c_int,
+        c_ptr,
+        c_int64,
+        c_int64,
+        c_ptr,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        ctypes.c_int,
+    ]
+    library.nls_gguf_matmul.restype = ctypes.c_int
+    library.nls_decode_scratch_bytes.argtypes = [c_ptr]
+    library.nls_decode_scratch_bytes.restype = c_int64
+    library.nls_decode_step.argtypes = [c_ptr, c_int64, c_int64, c_ptr, c_ptr, c_ptr, ctypes.c_int]
+    library.nls_decode_step.restype = ctypes.c_int
+    return library, None
