@@ -89,12 +89,20 @@ def sample_counts(sampler, logits, rows, draws_per_call, num_calls) -> torch.Ten
     return counts
 
 
-@pytest.mark.parametrize("candidates", [None, (4, 16)], ids=["default", "sort-path"])
-def test_draws_follow_the_reference_distribution(monkeypatch, candidates):
-    """Every combination, in one mixed batch with greedy rows; with tiny candidate sets
-    most filtered rows take the full-sort path instead."""
-    if candidates:
-        monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+def use_pytorch_path(monkeypatch) -> None:
+    """Draw filtered rows with the PyTorch candidate path instead of the native library."""
+    monkeypatch.setattr(sampler_module, "_native_kernels", lambda x: None)
+
+
+@pytest.mark.parametrize("path", ["native", "pytorch", "pytorch-sort"])
+def test_draws_follow_the_reference_distribution(monkeypatch, path):
+    """Every combination, in one mixed batch with greedy rows, through the native draw (the
+    CPU default), the PyTorch candidate path, and with tiny candidate sets the full-sort
+    path most filtered rows then take."""
+    if path != "native":
+        use_pytorch_path(monkeypatch)
+    if path == "pytorch-sort":
+        monkeypatch.setattr(sampler_module, "CANDIDATES", (4, 16))
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 2
     rows = [*COMBOS, (0.0, 0, 1.0, 0.0)]
     counts = sample_counts(Sampler(seed=1), logits, rows, draws_per_call=2000, num_calls=3)
@@ -102,6 +110,26 @@ def test_draws_follow_the_reference_distribution(monkeypatch, candidates):
         statistic, critical = chi_square(observed, reference_probs(logits, *combo))
         assert statistic < critical, (combo, statistic, critical)
     assert counts[-1, logits.argmax()] == counts[-1].sum()  # greedy rows take the argmax
+
+
+def test_the_native_draw_is_the_pytorch_draw_token_for_token(monkeypatch):
+    """On vocabulary-sized rows from peaked to flat, every filter combination draws the same
+    token natively as through the PyTorch candidate path, for the same uniforms."""
+    from nanollmserve.native.build import kernels_unavailable_reason
+
+    if kernels_unavailable_reason():
+        pytest.skip(kernels_unavailable_reason())
+    generator = torch.Generator().manual_seed(4)
+    scales = torch.tensor([0.3, 1.0, 3.0, 8.0]).repeat_interleave(24)[:, None]
+    logits = torch.randn(96, 49152, generator=generator) * scales
+    combos = [*COMBOS, (0.7, 1, 1.0, 0.0), (1.0, 100_000, 0.95, 0.0), (0.5, 20, 0.5, 0.1)]
+    for combo in combos:
+        meta = metadata([combo] * logits.shape[0])
+        native = Sampler(seed=5)(logits.clone(), meta).token_ids
+        with monkeypatch.context() as patch:
+            use_pytorch_path(patch)
+            reference = Sampler(seed=5)(logits.clone(), meta).token_ids
+        assert torch.equal(native, reference), combo
 
 
 def test_a_uniform_per_row_is_its_inverse_cdf():

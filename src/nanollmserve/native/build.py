@@ -1,4 +1,5 @@
-"""Compile `gguf_cpu.c` once per machine and load it with ctypes.
+"""Compile the native sources (`gguf_cpu.c`, `sampling_cpu.c`) once per machine and load them
+with ctypes.
 
 The library is plain C with OpenMP (no PyTorch headers, so it compiles in about a second),
 built with the system C compiler (`$CC`, default `cc`) into
@@ -30,7 +31,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gguf_cpu.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_cpu.c", "sampling_cpu.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -69,10 +70,10 @@ def library_path() -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     digest.update(" ".join(FLAGS).encode())
     digest.update(version.encode())
-    return cache_root() / "native" / digest.hexdigest()[:16] / "libgguf_cpu.so"
+    return cache_root() / "native" / digest.hexdigest()[:16] / "libnanollmserve_native.so"
 
 
 def build_library() -> Path:
@@ -87,10 +88,10 @@ def build_library() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        command = [_compiler(), *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        command = [_compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise NativeUnavailable(f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+            raise NativeUnavailable(f"building the native kernels failed:\n{result.stderr[-2000:]}")
         os.replace(tmp, path)
         logger.info("built the native GGUF kernels into %s", path)
     finally:
@@ -135,4 +136,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     library.nls_decode_scratch_bytes.restype = c_int64
     library.nls_decode_step.argtypes = [c_ptr, c_int64, c_int64, c_ptr, c_ptr, c_ptr, ctypes.c_int]
     library.nls_decode_step.restype = ctypes.c_int
+    library.nls_filtered_draw.argtypes = [
+        c_ptr,
+        c_ptr,
+        c_int64,
+        c_int64,
+        *[c_ptr] * 5,
+        ctypes.c_int,
+    ]
+    library.nls_filtered_draw.restype = ctypes.c_int
     return library, None
