@@ -6,7 +6,8 @@ Offline part: the bundled model (CPU default dtype), B requests decoding togethe
 step is split, with wall-clock timers around the engine's own functions (no profiler, whose
 per-op cost would distort a step of ~1000 small ops), into scheduling, input building, model
 forward, the attention layers inside it (K/V store, gather through the block tables, SDPA),
-logits, sampling, engine update and detokenization (the output processor). `--serve` adds
+logits (or, for one request with GGUF blocks, the native decode step that does all three),
+sampling, engine update and detokenization (the output processor). `--serve` adds
 the server's share: our server under `bench serve` at concurrency 32, with the CPU time of
 the HTTP thread (the process's main thread: asyncio, JSON, SSE) against the whole process,
 read from /proc.
@@ -34,7 +35,7 @@ def offline(batch: int, steps: int) -> dict:
     llm = LLM(num_kv_blocks=4096)
     engine, runner = llm.engine, llm.engine.model_runner
     timings = dict.fromkeys(
-        ["schedule", "inputs", "forward", "attention", "logits", "sampling", "update",
+        ["schedule", "inputs", "forward", "attention", "logits", "native", "sampling", "update",
          "detokenize"],
         0.0,
     )  # fmt: skip
@@ -55,8 +56,10 @@ def offline(batch: int, steps: int) -> dict:
     runner.model.forward = timed("forward", runner.model.forward)
     PagedAttention.forward = timed("attention", PagedAttention.forward)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    if runner.native_decode is not None:  # one request's decode step as one native call
+        runner.native_decode = timed("native", runner.native_decode)
     runner.sampler.__class__.__call__ = timed("sampling", runner.sampler.__class__.__call__)
-    processor = llm.output_processor
+    processor = llm.driver.output_processor
     processor.process_outputs = timed("detokenize", processor.process_outputs)
     for output_id, text in [(str(i), "Once upon a time " * 32) for i in range(batch)]:
         prompt, token_ids = llm.input_processor.tokenize(text)
@@ -81,6 +84,7 @@ def offline(batch: int, steps: int) -> dict:
         "model forward (without attention)": timings["forward"] - attention,
         "attention (paged: store, gather, SDPA)": attention,
         "logits (lm_head)": timings["logits"],
+        "native decode step (forward + logits in one call)": timings["native"],
         "sampling": timings["sampling"],
         "scheduling + inputs + update": timings["schedule"] + timings["inputs"] + timings["update"],
         "detokenize (output processor)": timings["detokenize"],

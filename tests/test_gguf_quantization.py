@@ -42,14 +42,15 @@ def random_block_rows(rows: int, cols: int, kind: int = KIND_Q4, seed: int = 0) 
     return BlockRows(kind, torch.from_numpy(np.concatenate([codes, d, m], axis=1)))
 
 
+@pytest.mark.parametrize("cols", [160, 352])  # 5 and 11 blocks a row: groups of 8 and tails
 @pytest.mark.parametrize("kind", [KIND_Q4, KIND_Q8])
 @pytest.mark.parametrize("rows", [1, 3, MAX_NATIVE_ROWS, MAX_NATIVE_ROWS + 1, 40])
-def test_gguf_linear_computes_the_blocks_weights_at_every_step_size(kind, rows):
-    blocks = random_block_rows(96, 160, kind)  # 5 blocks a row: the 8-block loop and the tail
+def test_gguf_linear_computes_the_blocks_weights_at_every_step_size(kind, rows, cols):
+    blocks = random_block_rows(96, cols, kind)
     weight = blocks.dequantize()
     bias = torch.randn(96)
     layer = GGUFLinear(weight, bias, blocks)
-    x = torch.randn(rows, 160)
+    x = torch.randn(rows, cols)
     x[0, 7] = 40.0  # an outlier: its block's other activations keep 15 bits below it
     expected = F.linear(x.double(), weight.double(), bias.double()).float()
     got = layer(x)

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             "model": engine.loaded.source.name,
             "device": str(engine.device),
             "dtype": dtype_name(engine.dtype),
-            "quantization": args.quantization,
+            "quantization": engine.loaded.quantization,  # what ran, the GGUF default included
             "input_len": args.input_len,
             "output_len": args.output_len,
             "repeat": args.repeat,

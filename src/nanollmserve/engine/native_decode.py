@@ -145,6 +145,7 @@ class NativeDecodeStep:
             or attention.attn.k_cache.numel() == 0
         ):
             return None
+        logger.info("single-stream decode steps run as one native call (GGUF blocks)")
         return cls(model, library, max_context)
 
     def __call__(self, token_id: int, position: int, block_ids: list[int]) -> torch.Tensor:

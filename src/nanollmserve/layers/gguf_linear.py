@@ -8,14 +8,17 @@ kernels (`native/gguf_cpu.c`), which quantize each activation row to int8 per bl
 llama.cpp does, and take a block's dot product in one instruction over bytes.
 
 A one-token step streams every weight once, so it runs at the speed the kernel reads weights:
-4.5 bits a weight (Q4_1) instead of 32 (float32). The 120 linear layers of the bundled model
-take 3.9 ms at one row (2 threads, AVX2 CPU; PyTorch's int4 kernel took 9.0 and float32
-weights 34.6). The kernel re-reads each row's blocks from cache for every further input row,
-so its time grows with the rows (7.2 ms at 2, 13 at 4, 47 at 16), and a step of more than
+4.5 bits a weight (Q4_1) instead of 32 (float32). Measured on the bundled model (2 threads,
+AVX2 EPYC, best of 3-5): its 120 linear layers take 3.8 ms at one row in the kernel alone
+(6.3 ms through these modules, one call each; PyTorch's int4 kernel took 9.0, float32 weights
+34.6). With more rows each group of 8 blocks is decoded once for all of them, but the integer
+products grow with the rows: 17.6 ms at 4 rows against 53.2 for the dense float32 weights,
+52.5 vs 67.6 at 16, 72.5 vs 81.9 at 24, 112.6 vs 100.9 at 32. So a step of more than
 `MAX_NATIVE_ROWS` rows multiplies with a dense copy of the weights in the model dtype (the
-weights dequantized from the same blocks, as without `gguf`): large steps are bound by
-arithmetic, not by weight bytes, and a dense GEMM does that better. The dense copy costs the
-memory of the unquantized model (m17 decision log).
+weights dequantized from the same blocks, as without `gguf`), which does large steps better.
+The Q8_0 output projection (49152 x 576) crosses over later, past `MAX_NATIVE_ROWS_OUTPUT`
+rows (25.4 vs 33.9 ms at 32, 58.5 vs 45.1 at 64): its float32 table is 113 MB to stream. The
+dense copy costs the memory of the unquantized model (m17 decision log).
 """
 
 from __future__ import annotations
@@ -29,15 +32,23 @@ from torch import nn
 from nanollmserve.layers.quantization import WeightOnlyLinear
 from nanollmserve.model.gguf_blocks import BlockRows
 
-MAX_NATIVE_ROWS = 16
+MAX_NATIVE_ROWS = 24
 """Steps with at most this many rows use the native block kernel; larger ones the dense copy."""
+MAX_NATIVE_ROWS_OUTPUT = 48
+"""The same crossover for the output projection over the vocabulary."""
 
 
 class GGUFLinear(WeightOnlyLinear):
     """A linear layer holding its GGUF blocks (`BlockRows`) and a dense copy of the same
-    weights (`weight`, float32) for large steps."""
+    weights (`weight`, float32) for steps of more than `max_native_rows` rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockRows) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        blocks: BlockRows,
+        max_native_rows: int = MAX_NATIVE_ROWS,
+    ) -> None:
         super().__init__(weight)
         if blocks.rows.shape[0] != self.out_features or blocks.in_features != self.in_features:
             raise ValueError(
@@ -50,7 +61,7 @@ class GGUFLinear(WeightOnlyLinear):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kind = blocks.kind
         self.register_buffer("block_rows", blocks.rows.contiguous())
-        self.max_native_rows = MAX_NATIVE_ROWS
+        self.max_native_rows = max_native_rows
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_native_rows:
@@ -98,7 +109,9 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows]) -> int:
     lm_head = getattr(model, "lm_head", "absent")
     if "lm_head.weight" in blocks and (lm_head is None or isinstance(lm_head, nn.Linear)):
         dense = model.model.embed_tokens.weight if lm_head is None else lm_head.weight
-        model.lm_head = GGUFLinear(dense, None, blocks["lm_head.weight"])
+        model.lm_head = GGUFLinear(
+            dense, None, blocks["lm_head.weight"], max_native_rows=MAX_NATIVE_ROWS_OUTPUT
+        )
     return replaced
 
 

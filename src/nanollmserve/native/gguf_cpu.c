@@ -200,29 +200,98 @@ static void matvec_shared(int kind, const uint8_t *w, int64_t out, int64_t in,
 
 /* ------------------------------------------------------------- public: matrix product -- */
 
+/* Several input rows against one weight row: each group of 8 blocks is decoded to int16 once
+ * (into `wbuf`, zero past the row's last block) and multiplied with every input row, so the
+ * unpacking is shared; per input row the group is reduced and scaled as in q4_row_dot.
+ * `acc`: room for 16 floats per input row. The activation arrays must be readable 8 blocks
+ * past the last row (the caller pads them; padded scales are 0). */
+static void row_times_inputs(int kind, const uint8_t *row, int64_t nb, int64_t in, const int16_t *xq,
+                             const float *dx, const float *sx, int64_t rows, float *acc, float *out) {
+    const int code_bytes = kind == KIND_Q4 ? 16 : QK;
+    const uint16_t *d = (const uint16_t *)(row + nb * code_bytes), *m = d + nb;
+    int16_t wbuf[8 * QK] __attribute__((aligned(32)));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
+    for (int64_t b = 0; b < nb; b += 8) {
+        const int count = nb - b < 8 ? (int)(nb - b) : 8;
+        for (int j = 0; j < 8; j++) {
+            __m256i w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
+            if (j < count && kind == KIND_Q4) {
+                __m128i q = _mm_loadu_si128((const __m128i *)(row + (b + j) * 16));
+                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
+                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+            } else if (j < count) {
+                const int8_t *c = (const int8_t *)row + (b + j) * QK;
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+            }
+            _mm256_store_si256((__m256i *)(wbuf + j * QK), w0);
+            _mm256_store_si256((__m256i *)(wbuf + j * QK + 16), w1);
+        }
+        uint16_t dp[8] = {0}, mp[8] = {0};
+        memcpy(dp, d + b, 2 * (size_t)count);
+        if (kind == KIND_Q4) memcpy(mp, m + b, 2 * (size_t)count);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dp));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mp));
+        for (int64_t r = 0; r < rows; r++) {
+            const int16_t *x = xq + r * in + b * QK;
+            __m256i p[8];
+            for (int j = 0; j < 8; j++)
+                p[j] = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(wbuf + j * QK)),
+                                      _mm256_loadu_si256((const __m256i *)(x + j * QK))),
+                    _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(wbuf + j * QK + 16)),
+                                      _mm256_loadu_si256((const __m256i *)(x + j * QK + 16))));
+            const __m256 s = reduce8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
+            float *a = acc + 16 * r;
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * nb + b));
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(scale, s, _mm256_loadu_ps(a)));
+            if (kind == KIND_Q4)
+                _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + r * nb + b), _mm256_loadu_ps(a + 8)));
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = hsum_ps(_mm256_add_ps(_mm256_loadu_ps(acc + 16 * r), _mm256_loadu_ps(acc + 16 * r + 8)));
+}
+
 /* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W in `kind` rows. Returns 0, or -1
  * when `in` is not a multiple of 32 or memory runs out. */
 int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
                     const float *bias, float *y, int num_threads) {
     if (in % QK || (kind != KIND_Q4 && kind != KIND_Q8)) return -1;
     const int64_t nb = in / QK, stride = row_bytes(kind, in);
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(rows * in));
-    float *dx = malloc(sizeof(float) * (size_t)(rows * nb)), *sx = malloc(sizeof(float) * (size_t)(rows * nb));
+    /* padded by 8 blocks: the multi-row kernel reads a whole group past the last block */
+    int16_t *xq = calloc((size_t)(rows * in + 8 * QK), sizeof(int16_t));
+    float *dx = calloc((size_t)(rows * nb + 8), sizeof(float)), *sx = calloc((size_t)(rows * nb + 8), sizeof(float));
     if (!xq || !dx || !sx) {
         free(xq), free(dx), free(sx);
         return -1;
     }
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t o = 0; o < out; o++) {
-        const uint8_t *wr = w + o * stride;
-        const float b = bias ? bias[o] : 0.0f;
-        for (int64_t r = 0; r < rows; r++)
-            y[r * out + o] = b + (kind == KIND_Q4 ? q4_row_dot(wr, nb, xq + r * in, dx + r * nb, sx + r * nb)
-                                                  : q8_row_dot(wr, nb, xq + r * in, dx + r * nb));
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *acc = rows > 1 ? malloc(sizeof(float) * 16 * (size_t)rows) : NULL;
+        float *dots = rows > 1 ? malloc(sizeof(float) * (size_t)rows) : NULL;
+        if (rows > 1 && (!acc || !dots)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < out; o++) {
+            const uint8_t *wr = w + o * stride;
+            const float b = bias ? bias[o] : 0.0f;
+            if (rows == 1) {
+                y[o] = b + (kind == KIND_Q4 ? q4_row_dot(wr, nb, xq, dx, sx) : q8_row_dot(wr, nb, xq, dx));
+            } else if (acc && dots) {
+                row_times_inputs(kind, wr, nb, in, xq, dx, sx, rows, acc, dots);
+                for (int64_t r = 0; r < rows; r++) y[r * out + o] = b + dots[r];
+            }
+        }
+        free(acc), free(dots);
     }
     free(xq), free(dx), free(sx);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* ---------------------------------------------------------- public: one decode step -- */
