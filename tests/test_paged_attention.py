@@ -47,7 +47,26 @@ def write_history(layer, k, v, blocks: list[int]) -> None:
     layer._store(k, v, torch.tensor(slots, dtype=torch.long))
 
 
-def test_decode_batch_reads_scattered_blocks_like_dense_attention():
+@pytest.mark.parametrize("path", ["native", "sdpa"])
+def test_decode_batch_reads_scattered_blocks_like_dense_attention(path, monkeypatch):
+    """Through the native in-place read (CPU float32 default, given the context lengths) and
+    through SDPA over the gathered blocks."""
+    from nanollmserve.layers import attention as attention_module
+
+    if path == "sdpa":
+        monkeypatch.setattr(attention_module, "_native_kernels", lambda *args: None)
+    else:
+        from nanollmserve.native.build import kernels_unavailable_reason
+
+        if kernels_unavailable_reason():
+            pytest.skip(kernels_unavailable_reason())
+        calls = []
+        native_decode = attention_module.PagedAttention._decode_native
+        monkeypatch.setattr(
+            attention_module.PagedAttention,
+            "_decode_native",
+            lambda self, *args: calls.append(1) or native_decode(self, *args),
+        )
     torch.manual_seed(0)
     layer = paged_layer(num_blocks=32)
     lengths = [5, 13, 1, 9]
@@ -68,6 +87,7 @@ def test_decode_batch_reads_scattered_blocks_like_dense_attention():
             num_decode_tokens=len(lengths),
             decode_block_tables=block_tables,
             decode_mask=additive_mask(valid, torch.float32).view(len(lengths), 1, 1, -1),
+            decode_context_lens=torch.tensor(lengths),
         )
     )
     try:
@@ -76,6 +96,8 @@ def test_decode_batch_reads_scattered_blocks_like_dense_attention():
         reset_context()
     for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
         torch.testing.assert_close(out[i : i + 1], dense_reference(q, k, v, 1))
+    if path == "native":
+        assert calls, "the native path ran"
 
 
 def test_prefill_chunk_over_a_cached_prefix_is_causal_like_dense_attention():

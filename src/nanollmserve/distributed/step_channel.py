@@ -68,5 +68,6 @@ def _context_to(context: AttentionContext, device: torch.device) -> AttentionCon
         slot_mapping=move(context.slot_mapping),
         decode_block_tables=move(context.decode_block_tables),
         decode_mask=move(context.decode_mask),
+        decode_context_lens=move(context.decode_context_lens),
         prefills=prefills,
     )

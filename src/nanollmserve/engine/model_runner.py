@@ -181,6 +181,7 @@ class ModelRunner:
             mask = additive_mask(key_pos[None, :] < decode_lens[:, None], self.dtype)
             context.decode_block_tables = block_tables[:num_decodes, :num_blocks].to(self.device)
             context.decode_mask = mask.view(num_decodes, 1, 1, -1).to(self.device)
+            context.decode_context_lens = decode_lens.to(self.device)
         ends_list = ends.tolist()
         for i in range(num_decodes, len(requests)):
             query_end = ends_list[i]

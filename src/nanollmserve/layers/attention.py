@@ -8,7 +8,10 @@ head_dim]` into the one KV allocation made by the model runner. A forward does t
    SDPA call; each prefill span reads its cached prefix (if any) plus its own tokens, causally.
 
 Reading through whole blocks (`index_select` on block ids) copies large contiguous rows, which
-on CPU is several times cheaper than gathering token by token.
+on CPU is several times cheaper than gathering token by token. On the CPU in float32 the
+decode tokens instead read their keys and values in place, in C (`nls_paged_decode_attention`
+in `native/gguf_cpu.c`): no gather, no padding to the longest sequence; SDPA over the gathered
+blocks stays for GPUs and as the reference.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class PagedAttention(nn.Module):
         return rows.transpose(-3, -2)
 
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
+        native = _native_kernels(q, self.k_cache, self.head_dim)
+        if native is not None and ctx.decode_context_lens is not None:
+            return self._decode_native(native, q, ctx)
         # Grouped-query trick: the query heads that share a KV head become that head's
         # "query length", so K/V are never repeated: [D, kv_heads, group, head_dim].
         num_decodes = q.shape[0]
@@ -68,6 +74,23 @@ class PagedAttention(nn.Module):
         v = self._gather(self.v_cache, ctx.decode_block_tables)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
+
+    def _decode_native(self, native, q: torch.Tensor, ctx) -> torch.Tensor:
+        """The decode tokens' attention read in place from the paged cache (C, one work item
+        per sequence and head): no gather of every sequence's blocks, no padding mask."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        tables = ctx.decode_block_tables.contiguous()
+        lens = ctx.decode_context_lens.contiguous()
+        status = native.nls_paged_decode_attention(
+            q.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr(), q.shape[0],
+            self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.shape[1], self.scale,
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("native paged decode attention: out of memory")
+        return out
 
     def _prefill(self, q, k, v, span) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, dim]
@@ -84,3 +107,20 @@ class PagedAttention(nn.Module):
                 q, k, v, attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
             )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int):
+    """The native library when it can attend these decodes (float32 on the CPU, a contiguous
+    cache, head_dim a multiple of 8 up to 256), else None: SDPA over gathered blocks."""
+    if (
+        q.device.type != "cpu"
+        or q.dtype != torch.float32
+        or k_cache.dtype != torch.float32
+        or not k_cache.is_contiguous()
+        or head_dim % 8
+        or head_dim > 256
+    ):
+        return None
+    from nanollmserve.native.build import load_kernels
+
+    return load_kernels()

@@ -62,6 +62,7 @@ class AttentionContext:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long
     # [num_decodes, 1, 1, max_blocks * block_size], additive: 0 where a key is valid, else -inf
     decode_mask: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long: keys per decode
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @classmethod

@@ -334,15 +334,16 @@ static void rope_head(float *x, const float *cos_sin, int head_dim) {
     }
 }
 
-/* One query head over the sequence's first `ctx` keys, read in place through the block table. */
-static void attend_head(const nls_model *m, const nls_layer *L, int head, const float *q,
-                        const int64_t *block_table, int64_t ctx, float *scores, float *out) {
-    const int hd = m->head_dim, kvh = m->num_kv_heads, bs = m->block_size;
-    const int g = head / (m->num_heads / kvh);
+/* One query head over a sequence's first `ctx` keys, read in place from the paged cache
+ * ([blocks, block_size, kv_heads, head_dim]) through the sequence's block table: softmax of
+ * the scaled dot products, then the weighted sum of the values. `scores`: room for ctx. */
+static void attend(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int hd,
+                   int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
+                   float *out) {
     float max_score = -INFINITY;
     for (int64_t t = 0; t < ctx; t++) {
         const int64_t slot = block_table[t / bs] * bs + t % bs;
-        const float s = dot_f32(q, L->k_cache + (slot * kvh + g) * hd, hd) * m->attn_scale;
+        const float s = dot_f32(q, k_cache + (slot * kvh + g) * hd, hd) * scale;
         scores[t] = s;
         max_score = s > max_score ? s : max_score;
     }
@@ -363,13 +364,20 @@ static void attend_head(const nls_model *m, const nls_layer *L, int head, const 
     memset(acc, 0, sizeof(float) * (size_t)hd);
     for (t = 0; t < ctx; t++) {
         const int64_t slot = block_table[t / bs] * bs + t % bs;
-        const float *v = L->v_cache + (slot * kvh + g) * hd;
+        const float *v = v_cache + (slot * kvh + g) * hd;
         const __m256 p = _mm256_set1_ps(scores[t]);
         for (int i = 0; i < hd; i += 8)
             _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
     }
     const float inv = 1.0f / sum;
     for (int i = 0; i < hd; i++) out[i] = acc[i] * inv;
+}
+
+static void attend_head(const nls_model *m, const nls_layer *L, int head, const float *q,
+                        const int64_t *block_table, int64_t ctx, float *scores, float *out) {
+    const int g = head / (m->num_heads / m->num_kv_heads);
+    attend(q, L->k_cache, L->v_cache, m->num_kv_heads, g, m->head_dim, m->block_size, m->attn_scale,
+           block_table, ctx, scores, out);
 }
 
 static void silu_and_mul(const float *gate_up, int n, float *out) {
@@ -474,4 +482,40 @@ int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const i
 #pragma omp parallel num_threads(num_threads)
     matvec_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, out);
     return 0;
+}
+
+
+/* ------------------------------------------------ public: attention of decode tokens -- */
+
+/* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
+ * sequence attending to its first context_lens[s] keys through its row of `block_tables`
+ * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, head) is
+ * one work item. Returns 0, or -1 when out of memory. */
+int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                               int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                               int32_t block_size, float scale, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float *out,
+                               int num_threads) {
+    int64_t longest = 1;
+    for (int64_t s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
+    const int group = num_heads / num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)longest);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < num_seqs * num_heads; item++) {
+            const int64_t s = item / num_heads;
+            const int h = (int)(item % num_heads);
+            if (scores)
+                attend(q + item * head_dim, k_cache, v_cache, num_kv_heads, h / group, head_dim, block_size,
+                       scale, block_tables + s * table_width, context_lens[s], scores, out + item * head_dim);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }
