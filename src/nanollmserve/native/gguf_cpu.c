@@ -392,10 +392,17 @@ static void silu_and_mul(const float *gate_up, int n, float *out) {
 }
 
 /* Bytes of scratch memory `nls_decode_step` needs for `m`. */
+/* The longest row the step quantizes: the hidden state, the attention output or the MLP's
+ * activation. */
+static int64_t widest_input(const nls_model *m) {
+    const int64_t q = (int64_t)m->num_heads * m->head_dim;
+    int64_t widest = m->hidden > q ? m->hidden : q;
+    return m->intermediate > widest ? m->intermediate : widest;
+}
+
 int64_t nls_decode_scratch_bytes(const nls_model *m) {
     const int64_t q = (int64_t)m->num_heads * m->head_dim, kv = (int64_t)m->num_kv_heads * m->head_dim;
-    const int64_t widest = m->intermediate > m->hidden ? (m->intermediate > q ? m->intermediate : q)
-                                                       : (m->hidden > q ? m->hidden : q);
+    const int64_t widest = widest_input(m);
     const int64_t floats = 2 * (int64_t)m->hidden          /* residual stream, normed input */
                            + q + 2 * kv                    /* q, k, v */
                            + q                             /* attention output */
@@ -420,7 +427,7 @@ int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const i
     float *h = scratch, *xn = h + H, *qkv = xn + H, *attn = qkv + q_size + 2 * kv_size;
     float *gate_up = attn + q_size, *act = gate_up + 2 * I, *proj = act + I;
     float *scores = proj + H, *dx = scores + (int64_t)nh * m->max_context;
-    const int64_t widest = I > H ? (I > q_size ? I : q_size) : (H > q_size ? H : q_size);
+    const int64_t widest = widest_input(m);
     float *sx = dx + widest / QK;
     int16_t *xq = (int16_t *)(sx + widest / QK);
     const float *cos_sin = m->rope + position * hd;
