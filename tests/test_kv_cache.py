@@ -10,8 +10,9 @@ from nanollmserve.sampling_params import SamplingParams
 pytestmark = pytest.mark.milestone("m06")
 
 
-def make_request(request_id: str, token_ids: list[int]) -> Request:
-    core = EngineCoreRequest(request_id, token_ids, SamplingParams(max_tokens=8))
+def make_request(request_id: str, token_ids: list[int], cache_salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=8, cache_salt=cache_salt)
+    core = EngineCoreRequest(request_id, token_ids, params)
     return Request(core, eos_token_ids=set(), max_tokens=8)
 
 
@@ -55,6 +56,21 @@ def test_prefix_hit_shares_blocks_by_ref_count():
     kv.free(first)
     kv.free(second)
     assert kv.num_free_blocks == 10
+
+
+@pytest.mark.milestone("m21")
+def test_cache_salt_shares_blocks_only_within_one_salt():
+    kv = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    for request_id, salt in (("plain", None), ("alice", "alice"), ("bob", "bob")):
+        request = make_request(request_id, prompt, salt)
+        assert kv.get_computed_blocks(request) == [], request_id  # nobody else's blocks
+        assert kv.allocate_slots(request, len(prompt))
+    assert len({tuple(kv.block_ids(r)) for r in ("plain", "alice", "bob")}) == 3
+    for request_id, salt in (("plain-2", None), ("alice-2", "alice"), ("bob-2", "bob")):
+        hits = kv.get_computed_blocks(make_request(request_id, prompt, salt))
+        owner = request_id.removesuffix("-2")
+        assert [b.block_id for b in hits] == kv.block_ids(owner)[:2], request_id
 
 
 @pytest.mark.milestone("m08")

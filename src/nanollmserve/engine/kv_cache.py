@@ -5,11 +5,12 @@ request owns. A block is `block_size` token slots. Requests grow block by block 
 block back the moment they finish, are aborted or preempted.
 
 Prefix caching: a full block is named by a hash chained over its parent's hash and its own
-token ids, so equal hashes mean equal prefixes. Full blocks are registered as soon as the step
-that computes them is scheduled (the whole batch writes its K/V before any attention reads,
-so a request scheduled later in the same step may already reuse them). A freed block keeps its
-hash and stays findable until the pool needs it for something else: free blocks form an LRU
-queue, evicted from the front.
+token ids, so equal hashes mean equal prefixes. The first block's parent is the request's
+LoRA adapter and `cache_salt`: requests share blocks only within one adapter and one salt.
+Full blocks are registered as soon as the step that computes them is scheduled (the whole
+batch writes its K/V before any attention reads, so a request scheduled later in the same
+step may already reuse them). A freed block keeps its hash and stays findable until the pool
+needs it for something else: free blocks form an LRU queue, evicted from the front.
 
 It counts nothing: the scheduler reports lookups, hits and blocks in use in its
 `SchedulerOutput`, and `EngineCore` keeps the totals (`engine/stats.py`).
@@ -232,10 +233,11 @@ class KVCacheManager:
 
     def _block_key(self, request: Request, index: int) -> tuple:
         """(parent block's hash, this block's token ids): what the block's hash is made of.
-        The first block's parent is the request's LoRA adapter id (0: the base model), so a
-        block computed under one adapter is never found by another or by the base model."""
+        The first block's parent is the request's LoRA adapter id (0: the base model) and its
+        `cache_salt` if any (`Request.prefix_cache_root`), so a block computed under one
+        adapter or salt is never found by another, nor by the base model or unsalted requests."""
         start = index * self.block_size
-        parent = request.block_hashes[index - 1] if index else request.lora_id
+        parent = request.block_hashes[index - 1] if index else request.prefix_cache_root
         return parent, tuple(request.all_token_ids[start : start + self.block_size])
 
     def _extend_block_hashes(self, request: Request, num_blocks: int) -> None:

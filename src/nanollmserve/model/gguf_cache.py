@@ -5,11 +5,16 @@ bundled 135 M model. Doing it on every start would dominate start-up, so the fir
 the result (config, generation config, tokenizer, float32 safetensors) into
 `$NANOLLMSERVE_CACHE/gguf/<file stem>-<key>/` and later loads read that in about a second.
 
-The key hashes the file size and its first and last MiB: cheap, independent of the mtime (a
-reinstall of the same file hits the cache) and different for a different file of the same
-name. A conversion writes into a `.tmp-*` directory beside the entry and renames it into place
+The key hashes the whole file: a reinstall of the same bytes hits the cache, and a file edited
+anywhere, even in the middle, is a new entry. Hashing ~100 MB on every start would cost a few
+tenths of a second, so the full hash is computed once per file identity (path, device, inode,
+size, mtime and ctime, which no user can set back) and recorded in `gguf-digests/`.
+A conversion writes into a `.tmp-*` directory beside the entry and renames it into place
 when complete, so a killed conversion never leaves a half-written entry; leftover `.tmp-*`
 directories are skipped and removed by a later conversion once they are an hour old.
+
+The cache is private (`private_cache.py`): its directories are 0700, its files owner-only, and
+an entry another user could have written is refused, never loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ import time
 from pathlib import Path
 
 from nanollmserve.errors import UserError
+from nanollmserve.model.private_cache import (
+    PRIVATE_FILE_MODE,
+    cache_root,
+    check_trusted,
+    make_private_tree,
+    private_cache_dir,
+)
+
+__all__ = ["cache_root", "cached_gguf_blocks", "cached_hf_dir", "gguf_cache_key"]
 
 CONVERSION_VERSION = 1
 """Bump when the conversion output changes, so old cache entries are not reused."""
@@ -39,28 +53,42 @@ _CHUNK = 1 << 20
 logger = logging.getLogger(__name__)
 
 
-def cache_root() -> Path:
-    """`$NANOLLMSERVE_CACHE`, default `~/.cache/nanollmserve`."""
-    return Path(os.environ.get("NANOLLMSERVE_CACHE") or "~/.cache/nanollmserve").expanduser()
-
-
 def gguf_cache_key(gguf_path: Path) -> str:
-    """`<stem>-<16 hex digits>` from the conversion version, file size, first and last MiB."""
-    size = gguf_path.stat().st_size
-    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{size}:".encode())
-    with open(gguf_path, "rb") as f:
-        digest.update(f.read(_CHUNK))
-        f.seek(max(0, size - _CHUNK))
-        digest.update(f.read(_CHUNK))
+    """`<stem>-<16 hex digits>` from the conversion version and the whole file's sha256."""
+    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{file_sha256(gguf_path)}".encode())
     return f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the whole file, computed once per file identity and recorded."""
+    info = path.stat()
+    identity = (
+        f"{path.resolve()}:{info.st_dev}:{info.st_ino}:{info.st_size}:"
+        f"{info.st_mtime_ns}:{info.st_ctime_ns}"
+    )
+    record = private_cache_dir("gguf-digests") / hashlib.sha256(identity.encode()).hexdigest()
+    if record.is_file():
+        check_trusted(record)
+        recorded = record.read_text().strip()
+        if len(recorded) == 64:
+            return recorded
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=record.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(digest.hexdigest() + "\n")
+    os.replace(tmp, record)
+    return digest.hexdigest()
 
 
 def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
     """The cache entry for `gguf_path`, converting it first if needed -> (dir, converted)."""
-    root = cache_root() / "gguf"
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_cache_dir("gguf")
     entry = root / gguf_cache_key(gguf_path)
     if (entry / "config.json").is_file():
+        check_entry_trusted(entry)
         return entry, False
     architecture = gguf_architecture(gguf_path)
     if architecture is not None and architecture not in GGUF_ARCHITECTURES:
@@ -73,18 +101,26 @@ def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
         shutil.rmtree(entry)
     logger.info("converting %s once into %s (takes about 20 s)", gguf_path.name, entry)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{entry.name}-", dir=root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the entry is an ordinary directory
     try:
         convert_gguf(gguf_path, tmp)
+        make_private_tree(tmp)
         try:
             os.rename(tmp, entry)
         except OSError:
             if not (entry / "config.json").is_file():
                 raise
             # Another process finished the same conversion first: use its entry.
+            check_entry_trusted(entry)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return entry, True
+
+
+def check_entry_trusted(entry: Path) -> None:
+    """`UntrustedCacheError` unless the entry and every file in it are this user's alone."""
+    check_trusted(entry)
+    for path in entry.rglob("*"):
+        check_trusted(path)
 
 
 def gguf_architecture(gguf_path: Path) -> str | None:
@@ -160,10 +196,12 @@ def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
             save_file(
                 tensors, tmp, metadata={"gguf_file": gguf_path.name, "kinds": json.dumps(kinds)}
             )
+            os.chmod(tmp, PRIVATE_FILE_MODE)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    check_trusted(path)
     with safe_open(path, framework="pt") as f:
         kinds = json.loads((f.metadata() or {})["kinds"])
         return {name: BlockRows(kinds[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118 (not a dict)

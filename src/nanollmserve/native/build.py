@@ -8,6 +8,11 @@ compiler's version: a changed source or compiler builds a new library, a finishe
 never rebuilt. A build writes into a temporary file and renames it into place, so concurrent
 starts (the workers of a cluster) never load a half-written library.
 
+The path is predictable, so the cache is private (`model/private_cache.py`): its directories
+are created 0700, the library is made owner-only before the rename, and a library whose
+directory or file another user could have written (owned by someone else, or writable by
+group or others) is refused with the reason, never loaded.
+
 It loads after PyTorch, so its OpenMP runtime is the one PyTorch already loaded (same
 `libgomp.so.1` soname): one thread pool, not two.
 
@@ -64,7 +69,7 @@ def _compiler() -> str:
 
 def library_path() -> Path:
     """Where the library for this source, these flags and this compiler lives (built or not)."""
-    from nanollmserve.model.gguf_cache import cache_root
+    from nanollmserve.model.private_cache import cache_root
 
     compiler = _compiler()
     version = subprocess.run(
@@ -81,10 +86,20 @@ def build_library() -> Path:
     reason = cpu_supports_kernels()
     if reason:
         raise NativeUnavailable(reason)
+    from nanollmserve.model.private_cache import (
+        UntrustedCacheError,
+        check_trusted,
+        private_cache_dir,
+    )
+
     path = library_path()
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        private_cache_dir("native", path.parent.name)
+        if path.is_file():
+            check_trusted(path)
+            return path
+    except UntrustedCacheError as error:
+        raise NativeUnavailable(str(error)) from None
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
     os.close(fd)
     try:
@@ -92,6 +107,7 @@ def build_library() -> Path:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise NativeUnavailable(f"building the native kernels failed:\n{result.stderr[-2000:]}")
+        os.chmod(tmp, 0o700)  # the linker creates it with the umask's mode
         os.replace(tmp, path)
         logger.info("built the native GGUF kernels into %s", path)
     finally:
