@@ -11,6 +11,7 @@ import torch
 from nanollmserve import SamplingParams
 
 pytestmark = pytest.mark.milestone("m05")
+M21 = pytest.mark.milestone("m21")
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -223,11 +224,84 @@ def test_sampling_filters_keep_tokens_in_the_allowed_set(llm):
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logit_bias": {5: 101}}, "logit_bias"),
+        pytest.param({"repetition_penalty": 1e-30}, "repetition_penalty", marks=M21),
+        pytest.param({"repetition_penalty": 0.009}, "repetition_penalty", marks=M21),
+        pytest.param({"temperature": math.nan}, "temperature", marks=M21),
+        pytest.param({"temperature": math.inf}, "temperature", marks=M21),
+        pytest.param({"top_p": math.nan}, "top_p", marks=M21),
+        pytest.param({"min_p": math.nan}, "min_p", marks=M21),
+        pytest.param({"presence_penalty": -math.inf}, "presence_penalty", marks=M21),
+        pytest.param({"frequency_penalty": math.nan}, "frequency_penalty", marks=M21),
+        pytest.param({"logit_bias": {5: math.nan}}, "logit_bias", marks=M21),
+        pytest.param({"temperature": "hot"}, "temperature", marks=M21),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as raised:
         SamplingParams(**kwargs)
+    assert raised.value.param == field
+
+
+@M21
+def test_a_temperature_below_the_sampling_epsilon_is_greedy(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=2))
+    for temperature in (1e-40, 1e-6):
+        params = SamplingParams(temperature=temperature, max_tokens=8, logprobs=2)
+        assert params.is_greedy
+        tiny = llm.generate(PROMPT, params)
+        assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def _sample(rows: torch.Tensor, temperature: float = 0.0, **meta_fields):
+    """Sample `rows` through the Sampler with one temperature for every row."""
+    from nanollmserve.layers.sampler import Sampler, SamplingMetadata
+
+    num_rows = rows.shape[0]
+    meta = SamplingMetadata(
+        temperature=torch.full((num_rows,), temperature),
+        all_greedy=temperature == 0.0,
+        max_num_logprobs=2,
+        **meta_fields,
+    )
+    return Sampler(seed=0)(rows.clone(), meta)
+
+
+@M21
+@pytest.mark.parametrize(
+    "filters",
+    [{}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}],
+    ids=["greedy-or-whole-vocabulary", "top-p", "top-k", "min-p"],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_without_a_finite_candidate_fall_back_to_a_token_in_the_vocabulary(
+    temperature, filters
+):
+    vocab = 1000
+    rows = torch.randn(5, vocab)
+    rows[0] = float("nan")  # every logit NaN
+    rows[1] = float("-inf")  # every token masked (a grammar that has nothing left)
+    rows[2, :] = float("nan")
+    rows[2, 7] = 3.0  # NaN around one finite logit: NaN counts as -inf
+    rows[3, :] = float("-inf")
+    rows[3, 11] = 0.5  # a grammar's end token, that min_tokens blocks below
+    rows[4, 13] = float("inf")  # an overflowed logit
+    num_rows = rows.shape[0]
+    meta = {
+        name: torch.full((num_rows,), value, dtype=torch.long if name == "top_k" else None)
+        for name, value in filters.items()
+    }
+    if "top_k" in meta:
+        meta["max_top_k"] = filters["top_k"]
+    blocked = (torch.tensor([3]), torch.tensor([11]))
+    out = _sample(rows, temperature, blocked_index=blocked, **meta)
+    tokens = out.token_ids.tolist()
+    assert all(0 <= t < vocab for t in tokens), tokens
+    assert tokens[2] == 7
+    assert tokens[3] == 11  # the logits as they came in: before min_tokens blocked it
+    assert tokens[4] == 13
+    assert torch.isfinite(out.logprobs).all()
+    assert out.logprobs.min() >= -9999.0
 
 
 def test_vocabulary_checks_at_admission(llm):

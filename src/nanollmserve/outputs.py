@@ -80,7 +80,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """None while running; then "stop", "length" or "abort"."""
+    """None while running; then "stop", "length", "abort", or "error" (the engine failed
+    this request alone: preparing or sampling it raised; the server log has why)."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the output, if any."""
     logprobs: SampleLogprobs | None = None

@@ -2,17 +2,29 @@
 
 Validation happens at construction: a bad value raises `ParamError` (a ValueError) whose
 `param` is the field, so the offline API, the HTTP server (which turns it into a 400 naming
-the field) and gRPC report the same message.
+the field) and gRPC report the same message. Every float field must be a finite number in
+its range (NaN and infinities are refused), and the ranges keep the logits finite: a
+temperature below `SAMPLING_EPS` samples greedily (dividing by ~0 would overflow float32),
+`repetition_penalty` lies in [0.01, 10], penalties in [-2, 2], logit_bias values in
+[-100, 100].
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from nanollmserve.errors import ParamError
 from nanollmserve.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5
+"""A temperature below this is greedy (vLLM's `_SAMPLING_EPS`)."""
+MIN_REPETITION_PENALTY = 0.01
+"""Lower would scale a seen token's logit by up to 1 / penalty, past float32's range."""
+MAX_REPETITION_PENALTY = 10.0
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -20,7 +32,7 @@ class SamplingParams:
     n: int = 1
     """Number of completions for the prompt (they share the prompt's KV blocks)."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below SAMPLING_EPS, 1e-5) means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 (or -1) disables top-k."""
@@ -43,6 +55,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (a dict of the
     StructuredOutputsParams fields is accepted too)."""
+    cache_salt: str | None = None
+    """Only requests with the same salt share prefix-cache blocks (None: the unsalted
+    pool), so one user cannot tell from timing or `cached_tokens` what another sent."""
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -67,14 +82,21 @@ class SamplingParams:
             if not ok:
                 raise ParamError(f"{name} {message}, got {getattr(self, name)!r}", param=name)
 
+        def in_range(name: str, low: float, high: float, *, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            above_low = _is_number(value) and (value > low if low_open else value >= low)
+            ok = above_low and value <= high
+            opening = "(" if low_open else "["
+            check(ok, name, f"must be in {opening}{low:g}, {high:g}]")
+
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
-        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        in_range("temperature", 0.0, 100.0)
+        in_range("top_p", 0.0, 1.0, low_open=True)
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be >= 0 or -1")
-        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        in_range("min_p", 0.0, 1.0)
+        in_range("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        in_range("presence_penalty", -2.0, 2.0)
+        in_range("frequency_penalty", -2.0, 2.0)
         check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
@@ -104,9 +126,19 @@ class SamplingParams:
             "stop_token_ids",
             "must be non-negative integers",
         )
+        salt = self.cache_salt
+        if salt is not None and not (
+            isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            length = f"{len(salt)} characters" if isinstance(salt, str) else type(salt).__name__
+            raise ParamError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                f"characters, got {length}",
+                param="cache_salt",
+            )
         if self.logit_bias:
             check(
-                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                all(_is_number(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()),
                 "logit_bias",
                 "values must be in [-100, 100]",
             )
@@ -114,7 +146,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_penalties(self) -> bool:
@@ -123,3 +155,9 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_number(value) -> bool:
+    """A real, finite number (NaN and infinities fail every range check anyway; a bool or a
+    string would raise TypeError in a comparison instead of a ParamError)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

@@ -155,11 +155,14 @@ def install_error_handlers(app: FastAPI) -> None:
         err = from_param_error(exc)
         return error_response(400, err.message, param=err.param, code=err.code)
 
+    # Registered by class, so they are answered here and never re-raised to the ASGI server
+    # (the catch-all below answers too, but Starlette then re-raises what it caught).
     @app.exception_handler(EngineOverloadedError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineStepError)
     async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
         err = error_from_exception(exc)
-        return error_response(503, err.message, code=err.code, headers=err.headers)
+        return error_response(err.status_code, err.message, code=err.code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -7,7 +7,8 @@ and the gRPC service share.
 - `choice_deltas`: for streaming, the new text / tokens / logprobs of every choice as they
   come, from one stream or several merged, with the token totals for the final usage.
 - `finish_reason`: a choice's reason, where "abort" (the server or the client went away)
-  becomes an error.
+  and "error" (the engine failed this request alone) become errors; streams of chat and
+  completions keep "error" as the last chunk's finish reason instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from nanollmserve.frontend.async_engine import (
     AsyncEngine,
     EngineDeadError,
+    EngineStepError,
     OutputKind,
     RequestStream,
 )
@@ -55,11 +57,20 @@ async def admit(
     return streams
 
 
-def finish_reason(choice: CompletionOutput) -> str | None:
+class RequestFailedError(EngineStepError):
+    """The engine failed this request alone (finish reason "error": preparing or sampling
+    it raised, the traceback is in the server log); the other requests went on. A 500."""
+
+
+def finish_reason(choice: CompletionOutput, *, error_is_reason: bool = False) -> str | None:
     """ "stop" / "length" / None (running); an aborted choice means the client or the server
-    went away, which ends the request with an error."""
+    went away, which ends the request with an error. A choice the engine failed ("error")
+    raises RequestFailedError, or with `error_is_reason` (a stream already under way) is
+    reported as its finish reason."""
     if choice.finish_reason == "abort":
         raise EngineDeadError("the request was aborted")
+    if choice.finish_reason == "error" and not error_is_reason:
+        raise RequestFailedError("the engine failed while generating this request")
     return choice.finish_reason
 
 
@@ -156,17 +167,21 @@ class StreamTotals:
 
 
 async def choice_deltas(
-    streams: list[RequestStream], totals: StreamTotals | None = None
+    streams: list[RequestStream],
+    totals: StreamTotals | None = None,
+    *,
+    error_is_reason: bool = False,
 ) -> AsyncIterator[ChoiceDelta]:
     """Every choice's deltas from DELTA streams as they come (choices with nothing new are
-    skipped); an aborted choice raises EngineDeadError. Counts tokens into `totals`."""
+    skipped); an aborted choice raises EngineDeadError, a failed one RequestFailedError or,
+    with `error_is_reason`, ends with finish reason "error". Counts tokens into `totals`."""
     seen: set[tuple[int, int]] = set()
     async for prompt_index, output in merge_streams(streams):
         if totals is not None:
             totals.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
             totals.cached_tokens[prompt_index] = output.num_cached_tokens
         for choice in output.outputs:
-            reason = finish_reason(choice)
+            reason = finish_reason(choice, error_is_reason=error_is_reason)
             if totals is not None:
                 totals.completion_tokens += len(choice.token_ids)
             key = (prompt_index, choice.index)

@@ -178,7 +178,8 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "error"] | None = None
+    """"error": the engine failed this request alone (a non-streaming request gets a 500)."""
 
 
 class ChatCompletionChunk(OpenAIBaseModel):

@@ -95,7 +95,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "error"] | None = None
+    """"error" (streams only): the engine failed this request alone."""
 
 
 class CompletionResponse(OpenAIBaseModel):

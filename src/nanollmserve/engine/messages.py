@@ -1,7 +1,8 @@
 """The typed messages of the engine: token ids in, token ids out.
 
 `EngineCoreRequest` and `EngineCoreOutput` cross the frontend/engine seam; `SampledToken`
-crosses the runner/scheduler one inside the engine.
+(or, for a request that failed alone, `RequestFailure`) crosses the runner/scheduler one
+inside the engine.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class SampledToken:
 
     token_id: int
     logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class RequestFailure:
+    """What the model runner gives a request whose own sampling raised this step (runner ->
+    scheduler), in place of its tokens: the request ends with finish_reason "error" and the
+    step goes on for the others."""
+
+    error: str
 
 
 @dataclass

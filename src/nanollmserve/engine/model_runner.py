@@ -12,6 +12,13 @@ one-token step runs its matmuls on the CPU kernel that is fastest for one row
 (`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step that is one decode token of
 one request runs as a single native call instead (`engine/native_decode.py`).
 
+Failure isolation: what comes after the logits (sampling metadata, grammar masks, the
+sampler) belongs to one request per row, so when it raises the step is sampled again request
+by request and only the requests whose own rows raise fail (`RequestFailure`, finish reason
+"error"). An exception in the forward pass cannot be traced to a request: it fails the step.
+`NANOLLMSERVE_FAIL_SAMPLING_SEED=N` makes preparing the sampling of every request with
+`seed` N raise, to test this.
+
 Speculative decoding: a request with draft tokens in `scheduled.spec_token_ids` runs its last
 token and its k drafts as one span; the target samples a token at each of those k + 1
 positions and `engine/spec_decode/rejection_sampler.py` keeps the accepted prefix, so a
@@ -20,14 +27,16 @@ request may emit several tokens in one step.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
+import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from nanollmserve.engine.messages import SampledToken, TokenLogprobs
+from nanollmserve.engine.messages import RequestFailure, SampledToken, TokenLogprobs
 from nanollmserve.engine.native_decode import NativeDecodeStep
 from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
@@ -44,6 +53,15 @@ from nanollmserve.layers.attention_context import (
 )
 from nanollmserve.layers.cpu_matmul import matmul_kernels_for
 from nanollmserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+FAIL_SAMPLING_SEED_ENV = "NANOLLMSERVE_FAIL_SAMPLING_SEED"
+
+
+class InjectedSamplingFailure(RuntimeError):
+    """Raised for requests with the seed in NANOLLMSERVE_FAIL_SAMPLING_SEED (fault-injection
+    tests)."""
 
 
 class ModelRunner:
@@ -73,11 +91,15 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask()
         self.step_sender: Callable[..., None] | None = None
         """Rank 0 of a tensor-parallel group: sends each step to the other ranks."""
+        self._fail_sampling_seed = _parse_fail_seed(os.environ.get(FAIL_SAMPLING_SEED_ENV, ""))
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: SchedulerOutput) -> list[list[SampledToken]]:
+    def execute_model(
+        self, scheduled: SchedulerOutput
+    ) -> list[list[SampledToken] | RequestFailure]:
         """The tokens each request emits: one, none (a prefill chunk short of the prompt's
-        end) or, with draft tokens, the accepted drafts and one more."""
+        end) or, with draft tokens, the accepted drafts and one more; a `RequestFailure`
+        for a request whose own sampling raised (`_sample`)."""
         if self._is_single_decode(scheduled):
             request = scheduled.requests[0]
             position = request.num_computed_tokens
@@ -98,20 +120,67 @@ class ModelRunner:
             for i, d in zip(sample_rows, drafts, strict=True)
             for _ in range(len(d) + 1)
         ]
-        meta = self._sampling_metadata(sample_requests, logits.shape[1])
-        # Structured output, in place; row j of a request is masked after its first j drafts.
+        # Row j of a request is masked by its grammar after its first j drafts.
         row_drafts = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        self.grammar_bitmask.apply(logits, sample_requests, row_drafts)
-        tokens = _to_sampled_tokens(self.sampler(logits, meta), sample_requests)
-        results: list[list[SampledToken]] = [[] for _ in scheduled.requests]
+        tokens = self._sample(logits, sample_requests, row_drafts)
+        results: list[list[SampledToken] | RequestFailure] = [[] for _ in scheduled.requests]
         first = 0
         for row, draft in zip(sample_rows, drafts, strict=True):
             targets = tokens[first : first + len(draft) + 1]
             first += len(draft) + 1
+            if isinstance(targets[0], RequestFailure):
+                results[row] = targets[0]
+                continue
             if draft:
                 targets = targets[: num_accepted(draft, [t.token_id for t in targets]) + 1]
             results[row] = targets
         return results
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], row_drafts: list[list[int]]
+    ) -> list[SampledToken | RequestFailure]:
+        """One token per logits row (`requests[i]` is row i's request; a request's rows are
+        consecutive). The whole batch is sampled at once; if that raises, the step is
+        sampled again request by request, so a request whose own rows raise (bad
+        metadata, a grammar matcher, the sampler) gets a `RequestFailure` on each of its
+        rows and the others their tokens. Seeded requests' generators are rewound first,
+        so they draw the same numbers as in a step where nothing failed."""
+        seeded = {r: r.generator.get_state() for r in requests if r.generator is not None}
+        try:
+            return self._sample_rows(logits, requests, row_drafts)
+        except Exception:
+            logger.warning(
+                "sampling the step raised; sampling its requests one by one", exc_info=True
+            )
+        for request in requests:
+            state = seeded.get(request)
+            if state is None:
+                request.generator = None  # made (and drawn from) by the failed attempt
+            else:
+                request.generator.set_state(state)
+        tokens: list[SampledToken | RequestFailure] = []
+        start = 0
+        while start < len(requests):
+            request = requests[start]
+            end = start + 1
+            while end < len(requests) and requests[end] is request:
+                end += 1
+            try:
+                rows = slice(start, end)
+                tokens += self._sample_rows(logits[rows], requests[rows], row_drafts[rows])
+            except Exception as exc:
+                logger.exception("request %s failed while sampling", request.request_id)
+                tokens += [RequestFailure(repr(exc))] * (end - start)
+            start = end
+        return tokens
+
+    def _sample_rows(
+        self, logits: torch.Tensor, requests: list[Request], row_drafts: list[list[int]]
+    ) -> list[SampledToken]:
+        """The sampling stage of some rows: metadata, grammar masks (in place), the draw."""
+        meta = self._sampling_metadata(requests, logits.shape[1])
+        self.grammar_bitmask.apply(logits, requests, row_drafts)
+        return _to_sampled_tokens(self.sampler(logits, meta), requests)
 
     def _is_single_decode(self, scheduled: SchedulerOutput) -> bool:
         """A step the native decode runs: one request's next token, no drafts, one rank."""
@@ -212,9 +281,16 @@ class ModelRunner:
 
     def _sampling_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
+        if self._fail_sampling_seed is not None:
+            failing = [r for r in requests if r.sampling_params.seed == self._fail_sampling_seed]
+            if failing:
+                raise InjectedSamplingFailure(f"{failing[0].request_id} ({FAIL_SAMPLING_SEED_ENV})")
         dev = self.device
         meta = SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            # 0 marks a greedy row, also one whose temperature is below SAMPLING_EPS
+            temperature=torch.tensor(
+                [0.0 if p.is_greedy else p.temperature for p in params], device=dev
+            ),
             all_greedy=all(p.is_greedy for p in params),
         )
         if any(p.top_k > 0 for p in params):
@@ -251,6 +327,14 @@ class ModelRunner:
         if wanted:
             meta.max_num_logprobs = max(wanted)
         return meta
+
+
+def _parse_fail_seed(value: str) -> int | None:
+    try:
+        return int(value) if value.strip() else None
+    except ValueError:
+        logger.warning("ignoring %s=%r: not an integer seed", FAIL_SAMPLING_SEED_ENV, value)
+        return None
 
 
 def _penalties(requests: list[Request], vocab_size: int, device) -> Penalties | None:

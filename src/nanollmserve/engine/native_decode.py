@@ -57,6 +57,7 @@ class _Model(ctypes.Structure):
                 "block_size",
                 "lm_head_kind",
                 "max_context",
+                "num_blocks",
             )
         ),  # fmt: skip
         ("eps", ctypes.c_float),
@@ -97,12 +98,15 @@ class NativeDecodeStep:
         lm_head = model.lm_head if isinstance(model.lm_head, GGUFLinear) else None
         rope = decoder.rotary_emb.cos_sin_cache
         self.vocab_size = config.vocab_size
+        self.block_size = attention.attn.k_cache.shape[1]
+        self.num_blocks = attention.attn.k_cache.shape[0]
+        self.max_context = min(max_context, rope.shape[0])
         self._returns_logits = lm_head is not None
         self._struct = _Model(
             config.hidden_size, config.intermediate_size, attention.num_heads,
             attention.num_kv_heads, attention.head_dim, len(layers), config.vocab_size,
-            attention.attn.k_cache.shape[1], 0 if lm_head is None else lm_head.kind,
-            min(max_context, rope.shape[0]), config.rms_norm_eps, attention.attn.scale,
+            self.block_size, 0 if lm_head is None else lm_head.kind,
+            self.max_context, self.num_blocks, config.rms_norm_eps, attention.attn.scale,
             _ptr(decoder.embed_tokens.weight), _ptr(decoder.norm.weight), _ptr(rope),
             _ptr(None if lm_head is None else lm_head.block_rows),
             ctypes.cast(self._layers, ctypes.c_void_p),
@@ -149,6 +153,10 @@ class NativeDecodeStep:
         return cls(model, library, max_context)
 
     def __call__(self, token_id: int, position: int, block_ids: list[int]) -> torch.Tensor:
+        """Raises ValueError, before any native code runs, for a token id outside the
+        vocabulary, a position outside [0, max_context), or a block table that does not
+        reach `position` or names a block outside the KV pool (the C checks them again)."""
+        self._check(token_id, position, block_ids)
         block_table = torch.tensor(block_ids, dtype=torch.int64)
         out = torch.empty(
             1, self.vocab_size if self._returns_logits else self._model.config.hidden_size
@@ -163,5 +171,29 @@ class NativeDecodeStep:
             torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"native decode step failed at position {position}")
+            reason = _STATUS_REASONS.get(status, f"status {status}")
+            raise ValueError(f"native decode step refused token {token_id} at {position}: {reason}")
         return out if self._returns_logits else self._model.compute_logits(out)
+
+    def _check(self, token_id: int, position: int, block_ids: list[int]) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(
+                f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if not 0 <= position < self.max_context:
+            raise ValueError(f"position {position} is outside [0, {self.max_context})")
+        used = block_ids[: position // self.block_size + 1]
+        if len(used) <= position // self.block_size:
+            raise ValueError(
+                f"a block table of {len(block_ids)} blocks does not reach position {position}"
+            )
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            raise ValueError(f"block table {used} names a block outside [0, {self.num_blocks})")
+
+
+# What `nls_decode_step`'s error statuses mean (NLS_BAD_* in native/gguf_cpu.c).
+_STATUS_REASONS = {
+    -2: "position out of range",
+    -3: "token id outside the vocabulary",
+    -4: "block id outside the KV pool",
+}

@@ -30,6 +30,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    """Preparing or sampling this request raised: it ends alone, the step goes on."""
 
     @property
     def is_finished(self) -> bool:
@@ -44,6 +46,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -88,6 +91,14 @@ class Request:
     def lora_id(self) -> int:
         """0 for the base model, else the adapter's unique id (it salts the prefix hashes)."""
         return self.lora.uid if self.lora is not None else 0
+
+    @property
+    def prefix_cache_root(self) -> int | tuple[int, str]:
+        """What the first block's prefix hash is chained to: the LoRA adapter id, paired with
+        the request's `cache_salt` when it has one, so only requests with the same adapter and
+        the same salt share blocks."""
+        salt = self.sampling_params.cache_salt
+        return self.lora_id if salt is None else (self.lora_id, salt)
 
     @property
     def num_tokens(self) -> int:

@@ -23,14 +23,17 @@ in use, tokens produced, inter-token latencies) goes out in its `SchedulerOutput
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from nanollmserve.engine.kv_cache import KVCacheManager
-from nanollmserve.engine.messages import EngineCoreOutput, SampledToken
+from nanollmserve.engine.messages import EngineCoreOutput, RequestFailure, SampledToken
 from nanollmserve.engine.request import Request, RequestStatus
 from nanollmserve.engine.stats import StepStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -167,59 +170,90 @@ class Scheduler:
         return True
 
     def update_from_output(
-        self, scheduled: SchedulerOutput, sampled: list[list[SampledToken]]
+        self, scheduled: SchedulerOutput, sampled: list[list[SampledToken] | RequestFailure]
     ) -> tuple[list[EngineCoreOutput], StepStats]:
         """Advance each request by what ran, append the tokens it emitted (one, or with
-        drafts the accepted ones and one more), finish what is done. Returns the outputs and
-        what the step did."""
+        drafts the accepted ones and one more), finish what is done. A request the runner
+        could not sample (`RequestFailure`), or whose update raises, finishes alone with
+        FINISHED_ERROR. Returns the outputs and what the step did."""
         outputs = []
         now = time.time()
         step = StepStats(scheduled.total_num_tokens)
         for request, num_new, samples in zip(
             scheduled.requests, scheduled.num_new_tokens, sampled, strict=True
         ):
-            drafts = scheduled.spec_token_ids.get(request.request_id)
-            if drafts:
-                num_rejected = len(drafts) + 1 - len(samples)
-                step.spec_decode.observe_draft(len(drafts), len(drafts) - num_rejected)
-                num_new -= num_rejected
-            request.num_computed_tokens += num_new
-            if drafts:  # rejected drafts' slots go back: the cache holds accepted tokens only
-                self.kv_cache.trim(request, request.num_computed_tokens)
-            if not samples:  # a prefill chunk that did not reach the end of the prompt
-                continue
-            status = None
-            new_token_ids = []
-            for sample in samples:
-                if not request.append_token(sample.token_id):  # refused by the grammar
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
-                new_token_ids.append(sample.token_id)
-                status = self._check_stop(request, sample.token_id)
-                if status is not None:  # drop tokens past a stop or max_tokens
-                    break
-            new_logprobs = [s.logprobs for s in samples[: len(new_token_ids)]]
-            step.num_generation_tokens += len(new_token_ids)
-            if request.last_token_time is not None:
-                step.inter_token_latencies.append(now - request.last_token_time)
-            request.last_token_time = now
-            if request.num_output_tokens == len(new_token_ids):
-                step.num_prompt_tokens += request.num_prompt_tokens
-            if status is not None:
-                self.finish(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=new_logprobs if new_logprobs and new_logprobs[0] else None,
-                    finish_reason=status.finish_reason if status else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens or 0,
-                    first_scheduled_time=request.first_scheduled_time,
-                    num_preemptions=request.num_preemptions,
-                )
-            )
+            try:
+                output = self._update_request(request, num_new, samples, scheduled, step, now)
+            except Exception:
+                logger.exception("request %s failed while taking its tokens", request.request_id)
+                output = self._fail(request)
+            if output is not None:
+                outputs.append(output)
         return outputs, step
+
+    def _update_request(
+        self,
+        request: Request,
+        num_new: int,
+        samples: list[SampledToken] | RequestFailure,
+        scheduled: SchedulerOutput,
+        step: StepStats,
+        now: float,
+    ) -> EngineCoreOutput | None:
+        """One request's part of `update_from_output` (None: nothing to report yet)."""
+        if isinstance(samples, RequestFailure):
+            return self._fail(request)
+        drafts = scheduled.spec_token_ids.get(request.request_id)
+        if drafts:
+            num_rejected = len(drafts) + 1 - len(samples)
+            step.spec_decode.observe_draft(len(drafts), len(drafts) - num_rejected)
+            num_new -= num_rejected
+        request.num_computed_tokens += num_new
+        if drafts:  # rejected drafts' slots go back: the cache holds accepted tokens only
+            self.kv_cache.trim(request, request.num_computed_tokens)
+        if not samples:  # a prefill chunk that did not reach the end of the prompt
+            return None
+        status = None
+        new_token_ids = []
+        for sample in samples:
+            if not request.append_token(sample.token_id):  # refused by the grammar
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            new_token_ids.append(sample.token_id)
+            status = self._check_stop(request, sample.token_id)
+            if status is not None:  # drop tokens past a stop or max_tokens
+                break
+        new_logprobs = [s.logprobs for s in samples[: len(new_token_ids)]]
+        step.num_generation_tokens += len(new_token_ids)
+        if request.last_token_time is not None:
+            step.inter_token_latencies.append(now - request.last_token_time)
+        request.last_token_time = now
+        if request.num_output_tokens == len(new_token_ids):
+            step.num_prompt_tokens += request.num_prompt_tokens
+        if status is not None:
+            self.finish(request, status)
+        return self._output(
+            request, new_token_ids, new_logprobs if new_logprobs and new_logprobs[0] else None
+        )
+
+    def _fail(self, request: Request) -> EngineCoreOutput:
+        """End one request with FINISHED_ERROR (its blocks go back); the step goes on."""
+        self.finish(request, RequestStatus.FINISHED_ERROR)
+        return self._output(request, [], None)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int], new_logprobs) -> EngineCoreOutput:
+        status = request.status
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            finish_reason=status.finish_reason if status.is_finished else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            first_scheduled_time=request.first_scheduled_time,
+            num_preemptions=request.num_preemptions,
+        )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -14,15 +14,17 @@ Observers are called on this thread after every step (`on_step(EngineStats)`) an
 request that ends, finished or aborted (`on_request_finished(RequestOutput)`, the full final
 output): the hook for a metrics collector.
 
-A step that raises fails every request in the engine with `EngineStepError` (a 500: what the
-step left in the KV cache cannot be trusted), logs the traceback, resets the engine's
-scheduling state (queues, block tables, prefix cache; the model and the KV tensor stay) and
-goes on with the requests that arrive next. After `MAX_CONSECUTIVE_STEP_FAILURES` failed
-steps in a row, or at once for an `EngineFatalError` (a tensor-parallel rank died, even
-while the loop sleeps), the fault is taken to be permanent: the loop stops, unhealthy,
-failing what is left with `EngineDeadError`, and `nanollmserve serve` exits with status 1 so
-its supervisor restarts it. `NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1)
-makes those steps raise, to test this.
+A request whose own sampling raised ends alone inside the step (finish reason "error",
+counted as failed; `engine/model_runner.py`), so a client cannot fail a step by what it
+sends. A step that raises (the forward pass) fails every request in the engine with
+`EngineStepError` (a 500: what the step left in the KV cache cannot be trusted), logs the
+traceback, resets the engine's scheduling state (queues, block tables, prefix cache; the
+model and the KV tensor stay) and goes on with the requests that arrive next. After
+`MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, or at once for an `EngineFatalError`
+(a tensor-parallel rank died, even while the loop sleeps), the fault is taken to be
+permanent: the loop stops, unhealthy, failing what is left with `EngineDeadError`, and
+`nanollmserve serve` exits with status 1 so its supervisor restarts it.
+`NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1) makes those steps raise, to test this.
 """
 
 from __future__ import annotations
@@ -259,7 +261,8 @@ class EngineLoop:
         step = self.driver.step()
         self._num_failed_steps_in_a_row = 0
         for final in step.finished:
-            self._counts["finished"] += 1
+            failed = any(c.finish_reason == "error" for c in final.outputs)
+            self._counts["failed" if failed else "finished"] += 1
             self._notify("on_request_finished", final)
         for output in step.outputs:
             stream = self._streams.get(output.request_id)

@@ -4,8 +4,9 @@ The bundled model stores its linear weights as Q4_1 blocks (32 weights, 4-bit co
 float16 constants: `w = d * q + m`) and its embedding table, which is also its output
 projection, as Q8_0 (`w = d * q`, 8-bit codes). These layers keep those blocks
 (`model/gguf_blocks.py`: nothing is re-quantized) and multiply with them through the native
-kernels (`native/gguf_cpu.c`), which quantize each activation row to int8 per block of 32, as
-llama.cpp does, and take a block's dot product in one instruction over bytes.
+kernels (`native/gguf_cpu.c`), which quantize each activation row to int16 per block of 32
+(llama.cpp uses int8, which moved the bundled model's answers; decision 26 in
+docs/ARCHITECTURE.md) and take a block's dot product in two `madd`s of 16-bit integers.
 
 A one-token step streams every weight once, so it runs at the speed the kernel reads weights:
 4.5 bits a weight (Q4_1) instead of 32 (float32). Measured on the bundled model (2 threads,
@@ -68,6 +69,10 @@ class GGUFLinear(WeightOnlyLinear):
             return F.linear(x, self.weight, self.bias)
         from nanollmserve.native.build import load_kernels
 
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"GGUF matmul: input {list(x.shape)} is not [rows, {self.in_features}]"
+            )
         x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features)
         status = load_kernels().nls_gguf_matmul(

@@ -14,7 +14,15 @@ the reference the tests compare it with, and for GPUs.
 
 Order of processing: logit_bias, min_tokens (stop tokens masked), penalties, then for
 non-greedy rows temperature, top-k, top-p, min-p. Logprobs are those of the raw model
-distribution (log_softmax of the logits), as vLLM returns by default.
+distribution (log_softmax of the logits), as vLLM returns by default; -inf (a masked token)
+and NaN become `LOGPROB_FLOOR` (vLLM's -9999), so they stay numbers a JSON body can carry.
+
+No row can make the step fail or emit a token outside the vocabulary: a row whose token is
+not a finite candidate of its constrained logits (every token masked, say a grammar that
+has ended while `min_tokens` blocks its stop token; a NaN or an overflow that spoiled the
+draw) takes the argmax of the logits as they came in, NaN read as -inf (the grammar mask is
+applied before the sampler, so an ended grammar still picks its end token). The check is one
+gather per step; the fallback runs only for such rows.
 """
 
 from __future__ import annotations
@@ -60,6 +68,11 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # [S]: rank of the sampled token (1 = most likely)
 
 
+NATIVE_BAD_SHAPE = -5
+"""`nls_filtered_draw`'s status for a row count or vocabulary size it cannot index."""
+LOGPROB_FLOOR = -9999.0
+"""The logprob returned for a masked token (-inf) or a NaN."""
+
 # Candidate-set sizes tried in turn by a row with top-k/top-p/min-p before it sorts its
 # whole vocabulary. After a flat distribution (random-word prompts) top_p 0.95 keeps more than
 # 1024 of the 49152 tokens on ~18% of rows; `topk` of 4096 / 16384 takes 0.7 / 1.6 ms on one
@@ -77,9 +90,14 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_constraints(logits, meta)
+            raw_logprobs.nan_to_num_(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
+        constrained = self._apply_constraints(logits, meta)
 
-        token_ids = logits.argmax(dim=-1) if meta.all_greedy else self._sample(logits, meta)
+        if meta.all_greedy:
+            token_ids = constrained.argmax(dim=-1)
+        else:
+            token_ids = self._sample(constrained, meta)
+        token_ids = _with_fallback(token_ids, constrained, logits)
 
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
@@ -176,7 +194,8 @@ def _draw(
         order = ids.argsort(dim=-1)
         ids, values = ids.gather(1, order), values.gather(1, order)
         kept_probs = candidate_probs.gather(1, order) * (values >= threshold)
-        drawn = ids.gather(1, _inverse_cdf(kept_probs, u[pending])[:, None]).squeeze(1)
+        index = _inverse_cdf(kept_probs, u[pending])
+        drawn = ids.gather(1, index.clamp(min=0)[:, None]).squeeze(1).masked_fill_(index < 0, -1)
         tokens[pending[covered]] = drawn[covered]
         pending = pending[~covered]
     if pending.numel():
@@ -222,9 +241,30 @@ def _native_draw(native, x, probs, rows, top_k, top_p, min_p, u) -> torch.Tensor
         x_rows.data_ptr(), probs_rows.data_ptr(), count, x.shape[1], k.data_ptr(), p.data_ptr(),
         m.data_ptr(), row_u.data_ptr(), tokens.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if status == NATIVE_BAD_SHAPE:
+        raise ValueError(f"native filtered draw: bad shape [{count}, {x.shape[1]}]")
     if status != 0:
         raise MemoryError("native filtered draw: out of memory")
     return tokens
+
+
+def _with_fallback(
+    tokens: torch.Tensor, constrained: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """`tokens`, except where a row's token is not a finite candidate of its `constrained`
+    logits (an id outside the vocabulary, or a token of logit -inf/+inf/NaN: the row had no
+    finite candidate, or a NaN or infinity spoiled its draw): there the argmax of `logits`,
+    the row as it came in, NaN read as -inf (index 0 for a row with nothing finite). Always
+    an id in [0, vocab). Costs one gather when every token is valid."""
+    vocab_size = constrained.shape[1]
+    in_vocab = (tokens >= 0) & (tokens < vocab_size)
+    picked = constrained.gather(1, tokens.clamp(0, vocab_size - 1)[:, None]).squeeze(1)
+    valid = in_vocab & picked.isfinite()
+    if bool(valid.all()):
+        return tokens
+    bad = torch.nonzero(~valid).squeeze(1)
+    fallback = logits[bad].nan_to_num(nan=float("-inf")).argmax(dim=-1)
+    return tokens.index_copy(0, bad, fallback)
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -275,11 +315,15 @@ def _threshold(
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose cumulative mass exceeds u * total mass: an exact
-    categorical draw from one uniform number (an entry of mass 0 is never chosen)."""
+    categorical draw from one uniform number (an entry of mass 0 is never chosen). A row
+    with no mass, or NaN mass (an infinite logit), gets -1, which the sampler's fallback
+    replaces; never an index past the row."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    index.clamp_(max=probs.shape[1] - 1)
+    return index.masked_fill_(~(total.squeeze(1) > 0), -1)
 
 
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

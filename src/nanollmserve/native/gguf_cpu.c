@@ -33,6 +33,16 @@
 #define KIND_Q4 4
 #define KIND_Q8 8
 
+/* Statuses of the entry points besides 0: -1 is out of memory; the others are inputs that
+ * would index outside their buffers, refused before anything is read or written (raised as
+ * ValueError by the Python callers). The same numbers in sampling_cpu.c. */
+#define NLS_NO_MEMORY -1
+#define NLS_BAD_POSITION -2
+#define NLS_BAD_TOKEN -3
+#define NLS_BAD_BLOCK -4
+#define NLS_BAD_SHAPE -5
+#define MAX_HEAD_DIM 256
+
 /* ---------------------------------------------------------------- small vector helpers -- */
 
 static inline float hsum_ps(__m256 v) {
@@ -254,18 +264,20 @@ static void row_times_inputs(int kind, const uint8_t *row, int64_t nb, int64_t i
         out[r] = hsum_ps(_mm256_add_ps(_mm256_loadu_ps(acc + 16 * r), _mm256_loadu_ps(acc + 16 * r + 8)));
 }
 
-/* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W in `kind` rows. Returns 0, or -1
- * when `in` is not a multiple of 32 or memory runs out. */
+/* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W in `kind` rows. Returns 0,
+ * NLS_BAD_SHAPE when `in` is not a positive multiple of 32, a size is negative or `kind`
+ * unknown, or NLS_NO_MEMORY. */
 int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
                     const float *bias, float *y, int num_threads) {
-    if (in % QK || (kind != KIND_Q4 && kind != KIND_Q8)) return -1;
+    if (in <= 0 || in % QK || out < 0 || rows < 0 || (kind != KIND_Q4 && kind != KIND_Q8))
+        return NLS_BAD_SHAPE;
     const int64_t nb = in / QK, stride = row_bytes(kind, in);
     /* padded by 8 blocks: the multi-row kernel reads a whole group past the last block */
     int16_t *xq = calloc((size_t)(rows * in + 8 * QK), sizeof(int16_t));
     float *dx = calloc((size_t)(rows * nb + 8), sizeof(float)), *sx = calloc((size_t)(rows * nb + 8), sizeof(float));
     if (!xq || !dx || !sx) {
         free(xq), free(dx), free(sx);
-        return -1;
+        return NLS_NO_MEMORY;
     }
     for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
     int failed = 0;
@@ -291,7 +303,7 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
         free(acc), free(dots);
     }
     free(xq), free(dx), free(sx);
-    return failed ? -1 : 0;
+    return failed ? NLS_NO_MEMORY : 0;
 }
 
 /* ---------------------------------------------------------- public: one decode step -- */
@@ -309,6 +321,7 @@ typedef struct {
     int32_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_layers, vocab, block_size;
     int32_t lm_head_kind; /* KIND_Q4 / KIND_Q8, or 0: write the final normed hidden state */
     int32_t max_context;
+    int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
     float eps, attn_scale;
     const float *embed;      /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
@@ -415,12 +428,17 @@ int64_t nls_decode_scratch_bytes(const nls_model *m) {
 }
 
 /* The forward pass of token `token` at `position` of a sequence whose K/V live in the blocks
- * `block_table` (the new token's K/V are written at `position`), -> `out`: the logits [vocab]
- * or, with no lm_head, the final normed hidden state [hidden]. Returns 0, or -1 when the
- * position is beyond `max_context`. */
+ * `block_table` (the new token's K/V are written at `position`; the table has at least
+ * position / block_size + 1 entries), -> `out`: the logits [vocab] or, with no lm_head, the
+ * final normed hidden state [hidden]. Returns 0, or before touching anything
+ * NLS_BAD_POSITION (not in [0, max_context)), NLS_BAD_TOKEN (not in [0, vocab)) or
+ * NLS_BAD_BLOCK (a block id the sequence uses is not in [0, num_blocks)). */
 int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const int64_t *block_table,
                     void *scratch, float *out, int num_threads) {
-    if (position < 0 || position >= m->max_context) return -1;
+    if (position < 0 || position >= m->max_context) return NLS_BAD_POSITION;
+    if (token < 0 || token >= m->vocab) return NLS_BAD_TOKEN;
+    for (int64_t b = 0; b <= position / m->block_size; b++)
+        if (block_table[b] < 0 || block_table[b] >= m->num_blocks) return NLS_BAD_BLOCK;
     const int H = m->hidden, I = m->intermediate, hd = m->head_dim;
     const int nh = m->num_heads, kvh = m->num_kv_heads, q_size = nh * hd, kv_size = kvh * hd;
     const int64_t ctx = position + 1;
@@ -497,14 +515,26 @@ int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const i
 /* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
  * sequence attending to its first context_lens[s] keys through its row of `block_tables`
  * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, head) is
- * one work item. Returns 0, or -1 when out of memory. */
+ * one work item. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
+ * cannot run, NLS_BAD_POSITION for a context length not in [1, table_width * block_size],
+ * or NLS_BAD_BLOCK for a negative block id (the caller checks the upper bound: the cache's
+ * size is not passed here). */
 int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                                int32_t block_size, float scale, const int64_t *block_tables,
                                int64_t table_width, const int64_t *context_lens, float *out,
                                int num_threads) {
+    if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
+        head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size <= 0 || table_width < 0)
+        return NLS_BAD_SHAPE;
     int64_t longest = 1;
-    for (int64_t s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t ctx = context_lens[s];
+        if (ctx < 1 || ctx > table_width * block_size) return NLS_BAD_POSITION;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
+            if (block_tables[s * table_width + b] < 0) return NLS_BAD_BLOCK;
+        longest = ctx > longest ? ctx : longest;
+    }
     const int group = num_heads / num_kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -524,5 +554,5 @@ int nls_paged_decode_attention(const float *q, const float *k_cache, const float
         }
         free(scores);
     }
-    return failed ? -1 : 0;
+    return failed ? NLS_NO_MEMORY : 0;
 }

@@ -96,6 +96,7 @@ static int64_t filtered_draw(const float *x, const float *probs, int64_t vocab, 
         for (int64_t i = 0; i < vocab; i++)
             if (x[i] >= floor || isinf(margins[m]))
                 scratch[n++] = (uint64_t)descending_key(x[i]) << 32 | (uint32_t)i;
+        if (n == 0) continue; /* a row of NaNs: no candidate to index until the last margin */
         sort_candidates(scratch, scratch + vocab, n);
         int covered;
         threshold = kept_threshold(scratch, n, x, probs, top_k, top_p, min_p, &covered);
@@ -104,6 +105,7 @@ static int64_t filtered_draw(const float *x, const float *probs, int64_t vocab, 
     double total = 0.0;
     for (int64_t i = 0; i < vocab; i++)
         if (x[i] >= threshold) total += (double)probs[i];
+    if (!(total > 0.0)) return -1; /* no mass, or NaN from an infinite logit: no draw */
     double target = u * total;
     const double below_total = nextafter(total, 0.0);
     if (target > below_total) target = below_total;
@@ -118,11 +120,13 @@ static int64_t filtered_draw(const float *x, const float *probs, int64_t vocab, 
     return last;
 }
 
-/* Rows [rows, vocab] of `x` and `probs`, one filter set and uniform per row -> `tokens`.
- * Returns 0, or -1 when out of memory. */
+/* Rows [rows, vocab] of `x` and `probs`, one filter set and uniform per row -> `tokens`
+ * (-1 for a row whose kept tokens have no mass, or NaN mass: the caller's fallback picks). Returns 0, -1 when out of memory, or -5 (NLS_BAD_SHAPE, as in
+ * gguf_cpu.c) when `rows` or `vocab` is out of range (ids are kept in 32 bits). */
 int nls_filtered_draw(const float *x, const float *probs, int64_t rows, int64_t vocab,
                       const int64_t *top_k, const float *top_p, const float *min_p,
                       const double *u, int64_t *tokens, int num_threads) {
+    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX) return -5;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
