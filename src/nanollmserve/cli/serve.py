@@ -28,9 +28,14 @@ import ssl
 import time
 
 from nanollmserve.cli.env_defaults import apply_env_defaults
+from nanollmserve.cli.sizes import parse_size
 from nanollmserve.config import add_engine_args, engine_config_from_args
 from nanollmserve.errors import UserError
 from nanollmserve.request_limits import add_limit_args, limits_from_args
+from nanollmserve.structured_output_limits import (
+    add_structured_output_args,
+    structured_output_limits_from_args,
+)
 
 logger = logging.getLogger("nanollmserve.serve")
 
@@ -72,7 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, the "
+        f"playground's page and files and (unless --metrics-require-auth) /metrics "
         f"(default: ${API_KEY_ENV}; prefer the variable, command lines are visible)",
     )
     group.add_argument(
@@ -111,6 +117,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--metrics-require-auth",
         action="store_true",
         help="with --api-key, require the key on /metrics too (default: open to scrapers)",
+    )
+    group.add_argument(
+        "--responses-store-max-bytes",
+        type=parse_size,
+        default="64MiB",
+        metavar="SIZE",
+        help="bytes the stored /v1/responses results (store: true) may hold in all, least "
+        "recently used evicted first; one larger than this is not stored (default %(default)s)",
     )
     group.add_argument(
         "--log-stats-interval",
@@ -204,6 +218,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="allow cookies / credentials cross-origin (default: off)",
     )
     add_limit_args(parser)
+    add_structured_output_args(parser)
     env_sources, env_errors = apply_env_defaults(parser)
     parser.set_defaults(func=run, env_sources=env_sources, env_errors=env_errors)
 
@@ -226,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     if args.log_stats_interval < 0:
         raise UserError(f"--log-stats-interval must be >= 0, got {args.log_stats_interval}")
     limits_from_args(args)  # a bad limit fails before the model loads
+    structured_output_limits_from_args(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.model_pos and "model" in args.env_sources:
@@ -264,7 +280,11 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     building = asyncio.get_running_loop().run_in_executor(  # starts the thread now
         None,
         functools.partial(
-            AsyncEngine, config, max_queue_len=max_queue_len, chat_template=chat_template
+            AsyncEngine,
+            config,
+            max_queue_len=max_queue_len,
+            chat_template=chat_template,
+            structured_output_limits=structured_output_limits_from_args(args),
         ),
     )
     # The server's modules (FastAPI, pydantic, uvicorn: about 0.4 s) import while the engine
@@ -292,6 +312,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         served_model_names=args.served_model_name or [],
         api_key=args.api_key,
         metrics_require_auth=args.metrics_require_auth,
+        response_store_max_bytes=args.responses_store_max_bytes,
         limits=limits_from_args(args),
         generation_defaults=generation_defaults,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -309,7 +330,11 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     url = f"{scheme}://{_url_host(host)}:{port}{args.root_path}"
     if grpc_server is not None:
         await serve_grpc(
-            grpc_server, engine, model_name=app.state.ctx.model_name, api_key=args.api_key
+            grpc_server,
+            engine,
+            model_name=app.state.ctx.model_name,
+            api_key=args.api_key,
+            log_requests=settings.log_requests,
         )
         url += f" grpc={_url_host(host)}:{grpc_port}"
     stats_task = None

@@ -18,8 +18,11 @@ reader costs memory proportional to its unread text, never a copy per step.
 A consumer that goes away (its task cancelled, the generator closed, a client disconnect
 turned into `abort()`) aborts the request: its KV blocks return to the pool on the engine
 thread's next turn. Admission is bounded: at most `max_num_seqs + max_queue_len` sequences
-(an `n`-choice request counts `n`) are in flight; beyond that `add_request` raises
-EngineOverloadedError. Observers (`add_observer`) see every step and every ended request.
+(an `n`-choice request counts `n`) are in flight, those still being tokenized or compiled
+included; beyond that `add_request` (and `chat_token_ids`) raise EngineOverloadedError before
+doing any work, and the tokenizer thread's queue is bounded by the same number. A request's
+grammar compiles on the grammar workers (`grammar_pool.py`), within its deadline, never on
+the tokenizer thread. Observers (`add_observer`) see every step and every ended request.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ from nanollmserve.frontend.engine_loop import (
     EngineStepError,
     ServingStats,
 )
+from nanollmserve.frontend.grammar_pool import GrammarCompilePool
 from nanollmserve.frontend.input_processor import InputProcessor
+from nanollmserve.frontend.request_policy import RequestPolicy
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids
 from nanollmserve.outputs import OutputKind, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.structured_output_limits import StructuredOutputLimits
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +162,7 @@ class AsyncEngine:
         max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
         chat_template: str | None = None,
         engine: EngineCore | None = None,
+        structured_output_limits: StructuredOutputLimits | None = None,
     ) -> None:
         self.config = config
         self.engine_loop = EngineLoop(lambda: engine or EngineCore(config))
@@ -177,10 +184,24 @@ class AsyncEngine:
         self.max_model_len = self.info.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_queue_len = max_queue_len
+        grammar_limits = structured_output_limits or StructuredOutputLimits()
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.info.vocab_size, core.eos_token_ids
+            self.tokenizer,
+            self.max_model_len,
+            self.info.vocab_size,
+            core.eos_token_ids,
+            grammar_limits=grammar_limits,
+        )
+        self.grammar_pool = GrammarCompilePool(
+            self.input_processor.grammar_compiler, grammar_limits
         )
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._admission_lock = threading.Lock()
+        self._num_tokenizer_jobs = 0  # queued or running on the tokenizer thread
+        self._num_seqs_preparing = 0  # admitted, being tokenized / compiled
+        self.request_policy = RequestPolicy(max_num_seqs=config.max_num_seqs)
+        """Limits and generation defaults every request is held to, whatever its frontend;
+        the HTTP server sets it from its settings (`ServerContext`)."""
         self._ids = itertools.count()
         self._accepting = True
 
@@ -213,6 +234,11 @@ class AsyncEngine:
         return self.engine_loop.num_requests_rejected
 
     @property
+    def num_grammar_compiles_running(self) -> int:
+        """Grammars compiling now on the grammar workers (overrunning ones included)."""
+        return self.grammar_pool.num_running
+
+    @property
     def observers(self) -> list[EngineObserver]:
         return self.engine_loop.observers
 
@@ -232,7 +258,8 @@ class AsyncEngine:
         self, messages: list[dict], tools: list[dict] | None = None
     ) -> list[int]:
         """Render messages (and function `tools`) with the chat template; a template error
-        is a ParamError."""
+        is a ParamError. A full server refuses (EngineOverloadedError) before rendering."""
+        self._check_capacity(1)
         return await self._off_loop(self._chat_token_ids, messages, tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
@@ -250,16 +277,27 @@ class AsyncEngine:
         """Tokenize (off the event loop), validate and admit a request and return its
         stream. Raises ParamError/ValueError (bad input), EngineOverloadedError (queue full)
         or EngineDeadError (stopped) here, before any output, so a server can still answer
-        with an error status. `lora_name`: a loaded LoRA adapter to run with."""
+        with an error status. `request_id`: the engine's key, made by the server (a
+        client's id is only echoed: keys must be unique, `n` children take `id#i`).
+        `lora_name`: a loaded LoRA adapter to run with."""
         self._check_accepting()
+        params = self.request_policy.apply(params)  # every frontend's requests, before work
         request_id = request_id or f"req-{next(self._ids)}"
         if lora_name is not None and lora_name not in self.lora_adapters():
             raise ParamError(f"unknown LoRA adapter {lora_name!r}", "model")
-        prompt_text, token_ids, children = await self._off_loop(
-            self._prepare, prompt, params, request_id, lora_name
-        )
-        self._check_accepting()  # it may have stopped while the prompt was tokenized
-        stream = RequestStream(self, request_id, len(children))
+        with self._admitting(params.n):  # a full server refuses before any work
+            grammar_params = params.structured_outputs
+            if grammar_params is not None:  # its size limits, before tokenizing
+                self.input_processor.grammar_compiler.check(grammar_params)
+            prompt_text, token_ids = await self._off_loop(self._prepare, prompt, params)
+            grammar = None
+            if grammar_params is not None:
+                grammar = await self.grammar_pool.compile(grammar_params)
+            children = self.input_processor.make_requests(
+                request_id, token_ids, params, lora_name=lora_name, grammar=grammar
+            )
+            self._check_accepting()  # it may have stopped while the prompt was prepared
+            stream = RequestStream(self, request_id, len(children))
         capacity = self.max_num_seqs + self.max_queue_len
         self.engine_loop.add(
             stream, children, prompt_text, token_ids, params, output_kind, capacity=capacity
@@ -326,16 +364,61 @@ class AsyncEngine:
         await asyncio.to_thread(self.engine_loop.stop)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
+    # -- admission ------------------------------------------------------------------------------
+    @property
+    def _capacity(self) -> int:
+        return self.max_num_seqs + self.max_queue_len
+
+    def _check_capacity(self, num_seqs: int) -> None:
+        """EngineOverloadedError if `num_seqs` more would pass the capacity, counting the
+        requests still being tokenized or compiled (call with `_admission_lock` held or
+        for a check only)."""
+        in_flight = self.engine_loop.num_seqs_in_flight + self._num_seqs_preparing
+        if in_flight + num_seqs > self._capacity:
+            self.engine_loop.num_requests_rejected += 1
+            raise EngineOverloadedError(
+                f"the server is overloaded ({in_flight} sequences in flight or being "
+                f"prepared, at most {self._capacity} allowed); retry later"
+            )
+
+    @contextlib.contextmanager
+    def _admitting(self, num_seqs: int):
+        """Hold room for `num_seqs` while a request is prepared (EngineOverloadedError at
+        once if there is none), so requests being tokenized or compiled count against the
+        capacity and a full server does no work for a request it would refuse."""
+        with self._admission_lock:
+            self._check_capacity(num_seqs)
+            self._num_seqs_preparing += num_seqs
+        try:
+            yield
+        finally:
+            with self._admission_lock:
+                self._num_seqs_preparing -= num_seqs
+
     # -- on the tokenizer thread ----------------------------------------------------------------
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+        """Run `fn` on the tokenizer thread; its queue holds at most the server's capacity
+        (EngineOverloadedError beyond, before the work is queued)."""
+        with self._admission_lock:
+            if self._num_tokenizer_jobs >= self._capacity:
+                self.engine_loop.num_requests_rejected += 1
+                raise EngineOverloadedError(
+                    f"the tokenizer queue is full ({self._num_tokenizer_jobs} jobs); retry later"
+                )
+            self._num_tokenizer_jobs += 1
+        job = self._tokenizer_thread.submit(fn, *args)
+        job.add_done_callback(self._tokenizer_job_done)
+        return await asyncio.wrap_future(job)
 
-    def _prepare(self, prompt, params: SamplingParams, request_id: str, lora_name=None):
+    def _tokenizer_job_done(self, _job) -> None:
+        with self._admission_lock:
+            self._num_tokenizer_jobs -= 1
+
+    def _prepare(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check the prompt against the model's limits."""
         prompt_text, token_ids = self.input_processor.tokenize(prompt)
-        children = self.input_processor.make_requests(
-            request_id, token_ids, params, lora_name=lora_name
-        )
-        return prompt_text, token_ids, children
+        self.input_processor.validate(token_ids, params)
+        return prompt_text, token_ids
 
     def _chat_token_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         import jinja2

@@ -14,18 +14,25 @@ from nanollmserve.engine.grammar_compiler import GrammarCompiler
 from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.structured_output_limits import StructuredOutputLimits
 
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, max_model_len: int, vocab_size: int, stop_token_ids=frozenset()
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        stop_token_ids=frozenset(),
+        grammar_limits: StructuredOutputLimits | None = None,
     ) -> None:
+        """`grammar_limits`: the size limits of a request's grammar (None: none, offline)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # Structured output ends on the model's stop tokens (its EOS ids).
         stop_ids = sorted(stop_token_ids) or [tokenizer.eos_token_id]
-        self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids)
+        self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids, grammar_limits)
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -49,11 +56,15 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        grammar=None,
     ) -> list[EngineCoreRequest]:
         """One engine request per completion (`n`); child i of a seeded request uses seed + i.
-        `lora_name`: the LoRA adapter they all run with (None: the base model)."""
+        `lora_name`: the LoRA adapter they all run with (None: the base model). `grammar`:
+        `params.structured_outputs` compiled already (the server's grammar workers); None
+        compiles it here."""
         self.validate(prompt_token_ids, params)
-        grammar = self.compile_grammar(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         arrival_time = arrival_time or time.time()
         if params.n == 1:
             return [
