@@ -229,9 +229,7 @@ def test_sixteen_concurrent_calls(server):
         return await asyncio.gather(*calls)
 
     before = wait_blocks_back(server)
-    started = time.perf_counter()
     results = run(server, body)
-    elapsed = time.perf_counter() - started
     assert len(results) == 16
     assert all(1 <= n <= 4 for _, n in results)
     stats = wait_blocks_back(server)
@@ -240,7 +238,6 @@ def test_sixteen_concurrent_calls(server):
     num_steps = stats["num_steps"] - before["num_steps"]
     num_tokens = stats["num_generation_tokens"] - before["num_generation_tokens"]
     assert num_tokens > num_steps, ("the calls were not batched together", num_tokens, num_steps)
-    assert elapsed < 60
 
 
 def test_grpc_requests_show_in_metrics(server):

@@ -2,9 +2,12 @@
 do unbounded work per token (thousands of stop strings to match, a huge logit_bias to apply).
 
 Each field is a `nanollmserve serve` flag (`max_stop_strings` is `--max-stop-strings`) and a
-request over a limit gets a 400 naming the parameter. The HTTP server checks them in one
-place, `ServerContext.make_params` (sampling fields) and the routes (message counts). No
-torch or FastAPI here: the CLI builds its flags from this module before loading anything.
+request over a limit gets a 400 (gRPC: INVALID_ARGUMENT) naming the parameter. The sampling
+limits are checked below every frontend, by the engine's `RequestPolicy`
+(`frontend/request_policy.py`), so HTTP and gRPC refuse the same requests; the frontends
+check the fields only they have (messages, tools, user, metadata, a client's request id)
+with `check_fields` before any work. No torch or FastAPI here: the CLI builds its flags from
+this module before loading anything.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ _HELP = {
     "max_stop_token_ids": "most `stop_token_ids` per request",
     "max_logit_bias": "most `logit_bias` entries per request",
     "max_messages": "most messages per request (chat `messages`, responses `input`)",
+    "max_tools": "most function `tools` per request (chat, responses; OpenAI allows 128)",
+    "max_user_length": "longest `user` string, in characters",
+    "max_metadata_pairs": "most `metadata` key-value pairs (OpenAI allows 16)",
+    "max_metadata_key_length": "longest `metadata` key, in characters (OpenAI: 64)",
+    "max_metadata_value_length": "longest `metadata` value, in characters (OpenAI: 512)",
+    "max_request_id_length": "longest client request id (HTTP `X-Request-Id`, gRPC "
+    "`request_id`), in characters",
 }
 
 
@@ -36,6 +46,12 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024
     max_messages: int = 1024
+    max_tools: int = 128
+    max_user_length: int = 256
+    max_metadata_pairs: int = 16
+    max_metadata_key_length: int = 64
+    max_metadata_value_length: int = 512
+    max_request_id_length: int = 256
 
     def __post_init__(self) -> None:
         if self.max_logprobs == -1:  # vLLM's "no cap": the most the engine returns
@@ -50,13 +66,8 @@ class RequestLimits:
     def check_params(self, params: SamplingParams) -> None:
         """Raise ParamError (param: the SamplingParams field) if `params` passes a limit."""
         _check(len(params.stop), self.max_stop_strings, "max_stop_strings", "stop", "strings")
-        longest = max((len(s) for s in params.stop), default=0)
-        if longest > self.max_stop_string_length:
-            raise ParamError(
-                f"stop has a string of {longest} characters, longer than this server allows "
-                f"(--max-stop-string-length {self.max_stop_string_length})",
-                param="stop",
-            )
+        longest = max(params.stop, key=len, default=None)
+        _check_length(longest, self.max_stop_string_length, "max_stop_string_length", "stop")
         limit = self.max_stop_token_ids
         _check(len(params.stop_token_ids), limit, "max_stop_token_ids", "stop_token_ids", "ids")
         limit = self.max_logit_bias
@@ -75,11 +86,43 @@ class RequestLimits:
     def check_messages(self, count: int, param: str = "messages") -> None:
         _check(count, self.max_messages, "max_messages", param, "messages")
 
+    def check_fields(
+        self,
+        *,
+        tools: list | None = None,
+        user: str | None = None,
+        metadata: dict[str, str] | None = None,
+        client_request_id: str | None = None,
+        request_id_param: str = "request_id",
+    ) -> None:
+        """Raise ParamError (naming the field) if a request field outside its sampling
+        parameters passes a limit; None means the request has no such field."""
+        _check(len(tools or ()), self.max_tools, "max_tools", "tools", "tools")
+        _check_length(user, self.max_user_length, "max_user_length", "user")
+        metadata = metadata or {}
+        limit = self.max_metadata_pairs
+        _check(len(metadata), limit, "max_metadata_pairs", "metadata", "key-value pairs")
+        for key, value in metadata.items():
+            _check_length(key, self.max_metadata_key_length, "max_metadata_key_length", "metadata")
+            limit = self.max_metadata_value_length
+            _check_length(value, limit, "max_metadata_value_length", "metadata")
+        limit = self.max_request_id_length
+        _check_length(client_request_id, limit, "max_request_id_length", request_id_param)
+
 
 def _check(count: int, limit: int, flag: str, param: str, what: str) -> None:
     if count > limit:
         raise ParamError(
             f"{param} has {count} {what}, more than this server allows ({_flag(flag)} {limit})",
+            param=param,
+        )
+
+
+def _check_length(text: str | None, limit: int, flag: str, param: str) -> None:
+    if text is not None and len(text) > limit:
+        raise ParamError(
+            f"{param} has a string of {len(text)} characters, longer than this server allows "
+            f"({_flag(flag)} {limit})",
             param=param,
         )
 

@@ -5,13 +5,17 @@ Health over the same AsyncEngine as the HTTP server.
 the engine exists) runs a `grpc.aio` server on the current event loop, the one uvicorn
 serves on, because the engine hands outputs to asyncio queues bound to the loop that
 created them. Like the HTTP routes, the servicer only converts: proto messages in,
-`SamplingParams`, then the admission and collection layer the HTTP routes use too
-(`generation.py`), proto messages out. Errors map to status codes: a bad parameter
-(ParamError) -> INVALID_ARGUMENT (its message), a full queue -> RESOURCE_EXHAUSTED, a dead or
-stopping engine -> UNAVAILABLE, a failed engine step -> INTERNAL, a wrong key ->
-UNAUTHENTICATED. A cancelled call
-(client gone, stream cancelled, deadline) cancels the handler, which aborts the request, so
-its KV blocks return at once.
+`SamplingParams`, then the engine's request policy (the limits and generation defaults HTTP
+requests are held to: the same refusals, INVALID_ARGUMENT here), then the admission and
+collection layer the HTTP routes use too (`generation.py`), proto messages out. The engine
+key of a call is always the server's (`grpc-...`): a client's `request_id` is echoed in the
+replies and logged quoted, never used as a key (it could collide with another request).
+
+Errors map to status codes: a bad parameter (ParamError) -> INVALID_ARGUMENT (its message),
+a full queue -> RESOURCE_EXHAUSTED, a dead or stopping engine -> UNAVAILABLE, a failed engine
+step -> INTERNAL, a wrong key -> UNAUTHENTICATED. A cancelled call (client gone, stream
+cancelled, deadline) cancels the handler, which aborts the request, so its KV blocks return
+at once.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from nanollmserve.api.generation import (
 )
 from nanollmserve.api.grpc_gen import nanollmserve_pb2 as pb
 from nanollmserve.api.grpc_gen import nanollmserve_pb2_grpc as pb_grpc
+from nanollmserve.api.request_log import log_client_request_id
 from nanollmserve.errors import ParamError, UserError
 from nanollmserve.frontend.async_engine import (
     AsyncEngine,
@@ -60,6 +65,7 @@ OPTIONAL_SAMPLING_FIELDS = (
     "frequency_penalty",
     "seed",
     "min_tokens",
+    "cache_salt",
 )
 
 
@@ -114,6 +120,12 @@ def _rpc(method):
     return unary_wrapper
 
 
+def unset_sampling_fields(message: pb.SamplingParams) -> set[str]:
+    """The optional fields a call left unset: the ones the server's generation defaults
+    fill (`RequestPolicy.apply`)."""
+    return {name for name in OPTIONAL_SAMPLING_FIELDS if not message.HasField(name)}
+
+
 def sampling_params(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; bad values raise ParamError."""
     kwargs = {
@@ -143,10 +155,11 @@ def _ms(seconds: float | None) -> float:
     return round(seconds * 1000, 3) if seconds is not None else 0.0
 
 
-def _response(output: RequestOutput) -> pb.GenerateResponse:
+def _response(output: RequestOutput, request_id: str | None = None) -> pb.GenerateResponse:
+    """The reply to one prompt; `request_id`: the id to echo (default: the server's)."""
     choice, metrics = output.outputs[0], output.metrics
     return pb.GenerateResponse(
-        request_id=output.request_id,
+        request_id=request_id or output.request_id,
         text=choice.text,
         finish_reason=finish_reason(choice),
         prompt_tokens=len(output.prompt_token_ids),
@@ -158,10 +171,17 @@ def _response(output: RequestOutput) -> pb.GenerateResponse:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        api_key: str | None = None,
+        log_requests: bool = False,
+    ):
         self.engine = engine
         self.model_name = model_name
         self.expected_key = f"Bearer {api_key}".encode() if api_key else None
+        self.log_requests = log_requests
 
     def check_auth(self, context: grpc.aio.ServicerContext) -> None:
         if self.expected_key is None:
@@ -170,36 +190,48 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not hmac.compare_digest(given.encode(), self.expected_key):
             raise Unauthenticated("invalid or missing API key: send 'authorization: Bearer KEY'")
 
+    def _params(self, message: pb.SamplingParams) -> SamplingParams:
+        """The call's SamplingParams through the engine's request policy (defaults, limits),
+        before any work."""
+        return self.engine.request_policy.apply(
+            sampling_params(message), unset_sampling_fields(message)
+        )
+
     async def _add(self, request: pb.GenerateRequest, kind: OutputKind) -> RequestStream:
         if bool(request.prompt) == bool(request.messages):
             raise ParamError("give exactly one of prompt and messages", "prompt")
+        limits = self.engine.request_policy.limits
+        limits.check_fields(client_request_id=request.request_id or None)
+        params = self._params(request.sampling)
         if request.messages:
+            limits.check_messages(len(request.messages))
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             prompt = await self.engine.chat_token_ids(messages)
         else:
             prompt = request.prompt
-        params = sampling_params(request.sampling)
-        request_id = request.request_id or f"grpc-{secrets.token_hex(12)}"
+        request_id = f"grpc-{secrets.token_hex(12)}"
         [stream] = await admit(self.engine, [prompt], params, request_id, kind)
+        if request.request_id and self.log_requests:
+            log_client_request_id(request_id, request.request_id)
         return stream
 
     @_rpc
     async def Generate(self, request, context):
         stream = await self._add(request, OutputKind.FINAL_ONLY)
         [output] = await collect_final([stream])
-        return _response(output)
+        return _response(output, request.request_id)
 
     @_rpc
     async def GenerateStream(self, request, context):
         stream = await self._add(request, OutputKind.DELTA)
         try:
-            async for message in self._stream_messages(stream):
+            async for message in self._stream_messages(stream, request.request_id):
                 yield message
         finally:  # a cancelled call aborts the request at once
             stream.abort()
 
     @staticmethod
-    async def _stream_messages(stream: RequestStream):
+    async def _stream_messages(stream: RequestStream, client_request_id: str):
         totals = StreamTotals()
         async for step in choice_deltas([stream], totals):
             choice, metrics = step.choice, step.output.metrics
@@ -207,7 +239,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not (choice.text or choice.token_ids or reason):
                 continue
             yield pb.GenerateStreamResponse(
-                request_id=step.output.request_id,
+                request_id=client_request_id or step.output.request_id,
                 text=choice.text,
                 token_ids=choice.token_ids,
                 finish_reason=reason,
@@ -228,7 +260,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ParamError(f"prompts[{i}] must not be empty", "prompts")
-        params = sampling_params(request.sampling)
+        params = self._params(request.sampling)
         batch_id = f"grpc-batch-{secrets.token_hex(12)}"
         streams = await admit(self.engine, prompts, params, batch_id, OutputKind.FINAL_ONLY)
         outputs = await collect_final(streams)
@@ -273,10 +305,12 @@ async def serve_grpc(
     *,
     model_name: str | None = None,
     api_key: str | None = None,
+    log_requests: bool = False,
 ) -> None:
     """Add the Generation service on `engine` to a bound server and start it (on the running
-    event loop). Stop it with `await server.stop(grace_seconds)`."""
-    servicer = GenerationServicer(engine, model_name or engine.model_name, api_key)
+    event loop). Stop it with `await server.stop(grace_seconds)`. `log_requests`: log the
+    client's `request_id` of a call next to the server's."""
+    servicer = GenerationServicer(engine, model_name or engine.model_name, api_key, log_requests)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     await server.start()
 

@@ -139,6 +139,11 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 
 # -- sampling ----------------------------------------------------------------------------------
+CACHE_SALT_DESCRIPTION = (
+    "Only requests with the same salt share prefix-cache blocks (at most 256 characters)."
+)
+
+
 def sampling_params(
     *,
     max_tokens: int | None,
@@ -204,6 +209,7 @@ class SamplingExtensions(OpenAIBaseModel):
     guided_grammar: str | None = Field(
         default=None, description="vLLM's older name for structured_outputs.grammar."
     )
+    cache_salt: str | None = Field(default=None, description=CACHE_SALT_DESCRIPTION)
 
     def structured_outputs_params(self):
         """(StructuredOutputsParams or None, the request field that asked for it)."""
@@ -240,6 +246,7 @@ class SamplingExtensions(OpenAIBaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params()[0],
+            cache_salt=self.cache_salt,
         )
 
 
@@ -289,6 +296,8 @@ class StatsResponse(OpenAIBaseModel):
     num_requests_failed: int
     num_requests_rejected: int
     """Requests refused with 503 because the queue was full."""
+    num_grammar_compiles_running: int = 0
+    """Structured-output grammars compiling now (`--structured-outputs-workers` at most)."""
     peak_running_requests: int
     """Most requests running in one engine step (> 1 means requests were batched)."""
     spec_decode: SpecDecodeStatsResponse | None = None

@@ -14,9 +14,15 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, sampling_params
+from nanollmserve.api.protocol import (
+    CACHE_SALT_DESCRIPTION,
+    MAX_INT32,
+    OpenAIBaseModel,
+    RequestModel,
+    sampling_params,
+)
 from nanollmserve.api.protocol_tools import (
     ChatCompletionMessageToolCall,
     FunctionCall,
@@ -148,7 +154,8 @@ class ResponsesRequest(RequestModel):
     max_tool_calls: int | None = Field(default=None, ge=0, le=MAX_INT32)
     """Accepted and ignored: it bounds built-in tools, and there are none."""
     metadata: dict[str, str] | None = None
-    """At most 16 pairs; keys of at most 64 characters, values of at most 512."""
+    """At most 16 pairs, keys of at most 64 characters, values of at most 512 (OpenAI's
+    limits, the `--max-metadata-*` defaults; checked by the route)."""
     model: str | None = None
     """The served model name; may be left out (there is one model)."""
     parallel_tool_calls: bool | None = None
@@ -184,16 +191,7 @@ class ResponsesRequest(RequestModel):
     top_k: int | None = Field(
         default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
     )
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None:
-            if len(value) > 16:
-                raise ValueError("at most 16 key-value pairs")
-            if any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
-                raise ValueError("keys have at most 64 characters, values at most 512")
-        return value
+    cache_salt: str | None = Field(default=None, description=CACHE_SALT_DESCRIPTION)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of a field asked for that this server does not do."""
@@ -243,6 +241,7 @@ class ResponsesRequest(RequestModel):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
+            cache_salt=self.cache_salt,
             max_tokens=self.max_output_tokens,
             logprobs=(self.top_logprobs or 0) if self.wants_logprobs() else None,
         )

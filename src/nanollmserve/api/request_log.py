@@ -6,6 +6,12 @@ covered and the numbers are the engine's own:
     cached_tokens=16 generated_tokens=12 ttft=0.041s e2e=0.312s
 
 (one line). The prompt text is never logged unless `log_prompts` (`--log-prompts`).
+
+Engine request ids are always the server's. A client's own id (HTTP `X-Request-Id`, gRPC
+`request_id`) is echoed back to it and logged once, at admission, next to the server's id,
+quoted as a Python literal, so a newline or a control character in it cannot forge a line:
+
+    request chatcmpl-1a2b: client_request_id='abc\\nrequest forged: ...'
 """
 
 from __future__ import annotations
@@ -15,6 +21,15 @@ import logging
 from nanollmserve.outputs import RequestOutput
 
 logger = logging.getLogger("nanollmserve.requests")
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+"""The HTTP header a client names its request with (echoed in the response's)."""
+
+
+def log_client_request_id(request_id: str, client_request_id: str) -> None:
+    """Log which client id the server's `request_id` stands for (the client's quoted)."""
+    logger.info("request %s: client_request_id=%r", request_id, client_request_id)
 
 
 def _seconds(value: float | None) -> str:

@@ -1,7 +1,8 @@
 """The HTTP routes. Each one only dispatches: protocol model in, serving function, JSON or
-SSE out. The ServerContext (engine + settings) comes from `app.state`. Routes that take
-messages check their count against `--max-messages` here; the sampling limits are checked
-by `ServerContext.make_params`. Every `/v1/...` route also answers without the prefix
+SSE out. The ServerContext (engine + settings) comes from `app.state`. The limits on the
+fields outside sampling (`--max-messages`, `--max-tools`, `--max-user-length`,
+`--max-metadata-*`) are checked here, before any work; the sampling limits by the engine's
+request policy (`ServerContext.make_params`). Every `/v1/...` route also answers without the prefix
 (`/chat/completions`, `/models`, ...): an alias left out of /openapi.json.
 """
 
@@ -114,6 +115,7 @@ async def stats(ctx: Ctx) -> StatsResponse:
         num_requests_aborted=snapshot.num_requests_aborted,
         num_requests_failed=snapshot.num_requests_failed,
         num_requests_rejected=ctx.engine.num_requests_rejected,
+        num_grammar_compiles_running=ctx.engine.num_grammar_compiles_running,
         peak_running_requests=snapshot.peak_running_requests,
         spec_decode=_spec_decode_stats(engine.spec_decode),
     )
@@ -173,6 +175,7 @@ async def unload_lora_adapter(body: serving_lora.UnloadLoRAAdapterRequest, ctx: 
 
 @router.post("/v1/completions", responses=_json_or_sse(CompletionResponse), tags=["openai"])
 async def create_completion(body: CompletionRequest, request: Request, ctx: Ctx):
+    ctx.limits.check_fields(user=body.user)
     return await serving_completions.create_completion(body, request, ctx)
 
 
@@ -180,14 +183,16 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Ctx)
     "/v1/chat/completions", responses=_json_or_sse(ChatCompletionResponse), tags=["openai"]
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: Ctx):
-    ctx.settings.limits.check_messages(len(body.messages))
+    ctx.limits.check_messages(len(body.messages))
+    ctx.limits.check_fields(tools=body.tools, user=body.user, metadata=body.metadata)
     return await serving_chat.create_chat_completion(body, request, ctx)
 
 
 @router.post("/v1/responses", responses=_json_or_sse(ResponseObject), tags=["openai"])
 async def create_response(body: ResponsesRequest, request: Request, ctx: Ctx):
     if isinstance(body.input, list):
-        ctx.settings.limits.check_messages(len(body.input), "input")
+        ctx.limits.check_messages(len(body.input), "input")
+    ctx.limits.check_fields(tools=body.tools, user=body.user, metadata=body.metadata)
     return await serving_responses.create_response(body, request, ctx)
 
 
@@ -207,7 +212,7 @@ async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        ctx.settings.limits.check_messages(len(body.messages))
+        ctx.limits.check_messages(len(body.messages))
         tokens = await ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
     else:
         _, tokens = await ctx.engine.tokenize(body.prompt) if body.prompt else (None, [])

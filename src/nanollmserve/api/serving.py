@@ -1,30 +1,33 @@
 """What every HTTP endpoint shares: the server context (engine + settings), model-name
 checks, admitting requests and waiting for their final outputs while watching for a client
 disconnect (on top of `generation.py`, which the gRPC service shares), and usage.
+
+The request limits and generation defaults are the engine's `RequestPolicy` (the context
+installs the settings' ones there), so the gRPC service on the same engine is held to them
+too; `make_params` applies it early, with the HTTP names of the fields in its 400s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from nanollmserve.api.errors import bad_request, from_param_error, not_found
+from nanollmserve.api.errors import from_param_error, not_found
 from nanollmserve.api.generation import StreamTotals, admit, collect_final
 from nanollmserve.api.protocol import SamplingExtensions, UsageInfo
 from nanollmserve.api.protocol_responses import ResponsesRequest
-from nanollmserve.api.response_store import ResponseStore
+from nanollmserve.api.request_log import REQUEST_ID_HEADER, log_client_request_id
+from nanollmserve.api.response_store import DEFAULT_MAX_BYTES, ResponseStore
+from nanollmserve.body_limit import MAX_REQUEST_BYTES
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import AsyncEngine, OutputKind, RequestStream
+from nanollmserve.frontend.request_policy import RequestPolicy
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
-
-MAX_REQUEST_BYTES = 4 << 20
-"""Largest request body accepted (413 beyond)."""
 
 
 @dataclass
@@ -39,11 +42,14 @@ class ServerSettings:
     max_request_bytes: int = MAX_REQUEST_BYTES
     response_store_size: int = 1024
     """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""
+    response_store_max_bytes: int = DEFAULT_MAX_BYTES
+    """The bytes those responses may hold in all (`--responses-store-max-bytes`)."""
     limits: RequestLimits = field(default_factory=RequestLimits)
-    """Bounds on one request (`n`, logprobs, stop strings, logit_bias, messages); 400 beyond."""
+    """Bounds on one request (`n`, logprobs, stop strings, logit_bias, messages, tools, ...);
+    400 beyond. Installed in the engine's RequestPolicy, so gRPC gets them too."""
     generation_defaults: dict = field(default_factory=dict)
     """Sampling defaults (`--generation-config`: temperature, top_p, ...) for the OpenAI
-    requests (completions, chat, responses) that leave the field unset."""
+    requests (completions, chat, responses) and gRPC calls that leave the field unset."""
     tool_call_parser: str | None = None
     """The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice --tool-call-parser`);
     None: "auto" with tools is a 400."""
@@ -61,17 +67,28 @@ class ServerSettings:
 
 
 class ServerContext:
-    """The engine and settings the routes serve from (one per app)."""
+    """The engine and settings the routes serve from (one per app). It makes the settings'
+    limits and generation defaults the engine's request policy, which every frontend on
+    that engine (the gRPC service too) goes through."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
+        engine.request_policy = RequestPolicy(
+            settings.limits, dict(settings.generation_defaults), engine.max_num_seqs
+        )
         self.model_names = settings.served_model_names or [engine.model_name]
-        self.responses = ResponseStore(settings.response_store_size)
+        self.responses = ResponseStore(
+            settings.response_store_size, settings.response_store_max_bytes
+        )
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.engine.request_policy.limits
 
     def check_model(self, model: str | None) -> str:
         """The name to report for a request's `model` (404 if it is not served here): a
@@ -83,38 +100,18 @@ class ServerContext:
         return model
 
     def make_params(self, to_params: Callable[[], SamplingParams], aliases=None) -> SamplingParams:
-        """The request's SamplingParams, within the server's limits. A bad value is a 400
-        whose `param` is the field under the endpoint's name for it (`aliases` maps
-        SamplingParams fields to those names); any other error propagates (a 500).
-        `to_params` is the request's bound `to_sampling_params`: the fields an OpenAI request
-        leaves unset (absent or null) get the server's `generation_defaults`."""
+        """The request's SamplingParams, through the engine's request policy: the fields an
+        OpenAI request leaves unset (absent or null) get the server's generation defaults,
+        then the limits apply. A bad value is a 400 whose `param` is the field under the
+        endpoint's name for it (`aliases` maps SamplingParams fields to those names); any
+        other error propagates (a 500). `to_params` is the request's bound
+        `to_sampling_params`."""
         try:
             params = to_params()
-            defaults = self._unset_defaults(getattr(to_params, "__self__", None))
-            if defaults:
-                params = dataclasses.replace(params, **defaults)
-            self.settings.limits.check_params(params)
+            unset = _unset_fields(getattr(to_params, "__self__", None))
+            return self.engine.request_policy.apply(params, unset)
         except ParamError as exc:
             raise from_param_error(exc, aliases) from None
-        if params.n > self.engine.max_num_seqs:
-            raise bad_request(
-                f"n is {params.n}, more than this server runs at once "
-                f"(--max-num-seqs {self.engine.max_num_seqs})",
-                "n",
-            )
-        return params
-
-    def _unset_defaults(self, body) -> dict:
-        if not self.settings.generation_defaults or not isinstance(
-            body, SamplingExtensions | ResponsesRequest
-        ):
-            return {}  # the simple API (/generate) keeps its own documented defaults
-        return {
-            name: value
-            for name, value in self.settings.generation_defaults.items()
-            if name in type(body).model_fields
-            and (name not in body.model_fields_set or getattr(body, name) is None)
-        }
 
     async def add_requests(
         self,
@@ -123,13 +120,34 @@ class ServerContext:
         request_id: str,
         stream: bool = False,
         model: str | None = None,
+        client_request_id: str | None = None,
     ) -> list[RequestStream]:
         """Admit one request per prompt, all or none: DELTA streams for a streamed response,
         FINAL_ONLY ones otherwise. `model` (checked by `check_model`) naming a LoRA adapter
-        runs them with it."""
+        runs them with it. `request_id` is the server's; `client_request_id` (the client's
+        `X-Request-Id`) is only logged next to it, quoted."""
+        self.limits.check_fields(
+            client_request_id=client_request_id, request_id_param=REQUEST_ID_HEADER
+        )
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         lora_name = None if model in self.model_names else model
-        return await admit(self.engine, prompts, params, request_id, kind, lora_name)
+        streams = await admit(self.engine, prompts, params, request_id, kind, lora_name)
+        if client_request_id is not None and self.settings.log_requests:
+            log_client_request_id(request_id, client_request_id)
+        return streams
+
+
+def _unset_fields(body) -> set[str]:
+    """The fields of an OpenAI request body left unset (absent or null): the ones the
+    generation defaults fill. None for the simple API (/generate), which keeps its own
+    documented defaults."""
+    if not isinstance(body, SamplingExtensions | ResponsesRequest):
+        return set()
+    return {
+        name
+        for name in type(body).model_fields
+        if name not in body.model_fields_set or getattr(body, name) is None
+    }
 
 
 def random_id(prefix: str) -> str:

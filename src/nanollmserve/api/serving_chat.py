@@ -3,7 +3,8 @@ with `n` choices, answered as a ChatCompletion or an SSE stream of chunks.
 
 Streaming: each choice's first chunk carries `role`, then content deltas; only its last
 chunk carries `finish_reason`; with `stream_options.include_usage` a final chunk has the
-usage and no choices; then `data: [DONE]`. Every chunk has the same id.
+usage and no choices; then `data: [DONE]`. Every chunk has the same id. A choice the engine
+failed alone ends with finish_reason "error" (a non-streaming request gets a 500).
 
 With tools (`tool_choice.py`), each choice's text goes through the tool parser: calls
 become `message.tool_calls` (streamed as `delta.tool_calls`: id and name first, then
@@ -37,6 +38,7 @@ from nanollmserve.api.protocol_tools import (
     DeltaToolCall,
     FunctionCall,
 )
+from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.serving import (
     ServerContext,
     final_outputs,
@@ -72,10 +74,20 @@ async def create_chat_completion(
     request_id = random_id("chatcmpl-")
     try:
         [stream] = await ctx.add_requests(
-            [prompt_token_ids], params, request_id, body.stream, model=model
+            [prompt_token_ids],
+            params,
+            request_id,
+            body.stream,
+            model=model,
+            client_request_id=client_request_id(request.headers),
         )
     except ParamError as exc:  # e.g. the rendered conversation is too long
-        aliases = {"prompt": "messages", **_PARAM_ALIASES, **body.structured_outputs_aliases()}
+        grammar_source = (  # the field a grammar that fails (limit, compile) came from
+            {"structured_outputs": "tools"}
+            if plan.structured_outputs is not None
+            else body.structured_outputs_aliases()
+        )
+        aliases = {"prompt": "messages", **_PARAM_ALIASES, **grammar_source}
         raise from_param_error(exc, aliases) from None
     created = int(time.time())
     top_k = body.top_logprobs or 0
@@ -136,7 +148,7 @@ async def _stream(
                 for i in range(body.n)
             ]
         )
-        async for step in choice_deltas([stream], totals):
+        async for step in choice_deltas([stream], totals, error_is_reason=True):
             choice = step.choice
             logprobs = token_logprobs(choice.logprobs or [], top_k) if body.logprobs else None
             delta, reason = _delta(tool_streams.get(choice.index), choice.text, step.finish_reason)

@@ -21,6 +21,7 @@ from nanollmserve.api.protocol_completions import (
     CompletionResponse,
     CompletionResponseChoice,
 )
+from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.serving import (
     ServerContext,
     final_outputs,
@@ -45,7 +46,14 @@ async def create_completion(
     prompts = body.prompts()
     request_id = random_id("cmpl-")
     try:
-        streams = await ctx.add_requests(prompts, params, request_id, body.stream, model=model)
+        streams = await ctx.add_requests(
+            prompts,
+            params,
+            request_id,
+            body.stream,
+            model=model,
+            client_request_id=client_request_id(request.headers),
+        )
     except ParamError as exc:  # e.g. a JSON schema the grammar engine cannot compile
         raise from_param_error(exc, body.structured_outputs_aliases()) from None
     created = int(time.time())
@@ -79,7 +87,7 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
     text_offsets: dict[int, int] = {}
     totals = StreamTotals()
     try:
-        async for step in choice_deltas(streams, totals):
+        async for step in choice_deltas(streams, totals, error_is_reason=True):
             choice = step.choice
             index = step.prompt_index * body.n + choice.index
             echo = await _prompt_text(ctx, step.output) if body.echo and step.first else ""

@@ -7,7 +7,8 @@ as one engine request. `text.format` becomes the request's grammar, as `response
 does on chat; `truncation: "auto"` drops the oldest turns until the conversation fits. The
 output is a message item and/or `function_call` items (`tool_choice.py` reads the calls);
 streamed, the events of `responses_stream.py`. With `store` (the default) the result is kept
-in the bounded in-memory ResponseStore for GET and for later `previous_response_id`s.
+in the in-memory ResponseStore (bounded by count and by `--responses-store-max-bytes`) for GET
+and for later `previous_response_id`s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from nanollmserve.api.errors import (
@@ -40,6 +41,7 @@ from nanollmserve.api.protocol_responses import (
     TokenLogprob,
 )
 from nanollmserve.api.protocol_tools import ChatCompletionMessageToolCall, FunctionCall
+from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.response_format import structured_outputs_from_response_format
 from nanollmserve.api.responses_stream import ResponseEvents, function_call_item_id, message_id
 from nanollmserve.api.serving import ServerContext, final_outputs, random_id
@@ -69,7 +71,7 @@ async def create_response(
                 f"Response with id '{body.previous_response_id}' not found.",
                 param="previous_response_id",
             )
-        history = previous.messages
+        history = previous.messages()
     conversation = history + body.input_messages()
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     params = with_tool_grammar(_with_text_format(ctx, body), plan)
@@ -77,10 +79,17 @@ async def create_response(
     response_id = random_id("resp_")
     try:
         [stream] = await ctx.add_requests(
-            [prompt_token_ids], params, response_id, body.stream, model=model
+            [prompt_token_ids],
+            params,
+            response_id,
+            body.stream,
+            model=model,
+            client_request_id=client_request_id(request.headers),
         )
     except ParamError as exc:  # e.g. the rendered conversation is too long
-        raise from_param_error(exc, {"prompt": "input", **_PARAM_ALIASES}) from None
+        grammar_source = "tools" if plan.structured_outputs is not None else "text.format"
+        aliases = {"prompt": "input", "structured_outputs": grammar_source, **_PARAM_ALIASES}
+        raise from_param_error(exc, aliases) from None
     template = ResponseObject(
         id=response_id,
         status="in_progress",
@@ -126,11 +135,11 @@ async def create_response(
     return JSONResponse(response.model_dump())
 
 
-def retrieve_response(response_id: str, ctx: ServerContext) -> JSONResponse:
+def retrieve_response(response_id: str, ctx: ServerContext) -> Response:
     entry = ctx.responses.get(response_id)
     if entry is None:
         raise not_found(f"Response with id '{response_id}' not found.", param="response_id")
-    return JSONResponse(entry.response.model_dump())
+    return Response(entry.response_json, media_type="application/json")
 
 
 def delete_response(response_id: str, ctx: ServerContext) -> JSONResponse:

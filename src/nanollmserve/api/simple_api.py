@@ -15,6 +15,7 @@ from pydantic import Field
 
 from nanollmserve.api.generation import MAX_BATCH_PROMPTS, finish_reason
 from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, sampling_params
+from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.serving import ServerContext, final_outputs, random_id
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
@@ -76,7 +77,12 @@ class BatchGenerateResponse(OpenAIBaseModel):
 async def generate(body: GenerateRequest, request: Request, ctx: ServerContext):
     start = time.perf_counter()
     params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
-    streams = await ctx.add_requests([body.prompt], params, random_id("gen-"))
+    streams = await ctx.add_requests(
+        [body.prompt],
+        params,
+        random_id("gen-"),
+        client_request_id=client_request_id(request.headers),
+    )
     [output] = await final_outputs(request, streams)
     [choice] = output.outputs
     return GenerateResponse(
@@ -90,7 +96,12 @@ async def generate(body: GenerateRequest, request: Request, ctx: ServerContext):
 async def batch_generate(body: BatchGenerateRequest, request: Request, ctx: ServerContext):
     start = time.perf_counter()
     params = ctx.make_params(body.to_sampling_params, _PARAM_ALIASES)
-    streams = await ctx.add_requests(list(body.prompts), params, random_id("batch-"))
+    streams = await ctx.add_requests(
+        list(body.prompts),
+        params,
+        random_id("batch-"),
+        client_request_id=client_request_id(request.headers),
+    )
     outputs = await final_outputs(request, streams)
     for output in outputs:
         finish_reason(output.outputs[0])
