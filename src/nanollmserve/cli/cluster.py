@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     settings = router_settings(args)
     check_serve_args(serve_args)
     serve_args += ["--log-level", args.log_level, "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.metrics_require_auth:  # a router flag that the workers have too
+        serve_args.append("--metrics-require-auth")
     worker_key = args.worker_api_key or args.api_key
     ports = [args.base_port + i for i in range(args.workers)]
     router_sock = _bind(args.host, args.router_port)

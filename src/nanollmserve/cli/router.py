@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 
+from nanollmserve.cli.sizes import parse_size
 from nanollmserve.errors import UserError
 
 API_KEY_ENV = "NANOLLMSERVE_API_KEY"
@@ -89,6 +90,20 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         f"and /metrics (default: ${API_KEY_ENV})",
     )
     group.add_argument(
+        "--metrics-require-auth",
+        action="store_true",
+        help="with --api-key, require the key on /metrics too (default: open to scrapers; "
+        "`cluster` passes it to the workers as well)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="largest request body forwarded, as bytes or with a suffix (1MiB); a larger one "
+        "answers 413 before it is read whole (default: 4MiB, the workers' own cap)",
+    )
+    group.add_argument(
         "--worker-api-key",
         default=os.environ.get(WORKER_API_KEY_ENV) or None,
         help=f"the key sent to the workers (default: ${WORKER_API_KEY_ENV}, else the "
@@ -113,6 +128,9 @@ def router_settings(args: argparse.Namespace):
         raise UserError(f"--prefix-chars must be >= 1, got {args.prefix_chars}")
     if args.balance_threshold < 1:
         raise UserError(f"--balance-threshold must be >= 1, got {args.balance_threshold}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    sizes = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
     return RouterSettings(
         policy=args.policy,
         api_key=args.api_key,
@@ -121,6 +139,8 @@ def router_settings(args: argparse.Namespace):
         health_failures=args.health_failures,
         prefix_chars=args.prefix_chars,
         balance_threshold=args.balance_threshold,
+        metrics_require_auth=args.metrics_require_auth,
+        **sizes,
     )
 
 

@@ -7,6 +7,8 @@ worker that holds them (`response_locator.py`). Every other path and method is f
 the proxy to the worker the policy picks (`/v1/*`, `/generate`, `/batch_generate`,
 `/tokenize`, `/detokenize`, the paths without `/v1`, the playground page). The health
 checker runs for the app's lifetime; the first round of checks ends before it serves.
+A body over `max_request_bytes` answers 413 before it is read whole (`body_limit.py`, the
+workers' own cap); with an API key, it is checked first (`auth.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from nanollmserve import __version__
+from nanollmserve.body_limit import MAX_REQUEST_BYTES, BodySizeLimit, too_large_message
 from nanollmserve.router.auth import RouterAPIKeyMiddleware
 from nanollmserve.router.errors import error_response
 from nanollmserve.router.health import DEFAULT_INTERVAL_S, DEFAULT_MAX_FAILURES, HealthChecker
@@ -48,6 +51,10 @@ class RouterSettings:
     health_failures: int = DEFAULT_MAX_FAILURES
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     balance_threshold: int = DEFAULT_BALANCE_THRESHOLD
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    """Largest request body forwarded (413 beyond), the workers' own default."""
+    metrics_require_auth: bool = False
+    """With an api_key, /metrics needs it too; by default scrapers read /metrics freely."""
 
 
 def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) -> FastAPI:
@@ -122,14 +129,24 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
         key = routing_key(parsed, settings.prefix_chars) if policy.uses_key else None
         pinned = None
         previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
-        if request.url.path in RESPONSES_PATHS and isinstance(previous, str):
+        if request.scope["path"] in RESPONSES_PATHS and isinstance(previous, str):
             headers = _worker_read_headers(request, app)
             pinned = await app.state.locator.find(previous, headers)
         return await app.state.proxy.forward(request, body, key, pinned=pinned)
 
+    # Outermost last: auth runs before the body is read, then the size cap.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, too_large=_too_large)
     if settings.api_key:
-        app.add_middleware(RouterAPIKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(
+            RouterAPIKeyMiddleware,
+            api_key=settings.api_key,
+            metrics_require_auth=settings.metrics_require_auth,
+        )
     return app
+
+
+def _too_large(max_bytes: int) -> Response:
+    return error_response(413, too_large_message(max_bytes), "request_too_large")
 
 
 def _worker_read_headers(request: Request, app: FastAPI) -> dict[str, str]:

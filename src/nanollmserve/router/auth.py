@@ -1,7 +1,9 @@
-"""The router's API key: with `--api-key`, every route but /health, /metrics and the
-playground page needs `Authorization: Bearer <key>`; anything else answers 401 in the
-OpenAI error shape. The key is compared in constant time and never logged. (The workers'
-own check, `api/auth.py`, lives in a package that loads the engine; the router does not.)
+"""The router's API key: with `--api-key`, every route but /health, /metrics (unless
+`--metrics-require-auth`) and the playground page needs `Authorization: Bearer <key>`;
+anything else answers 401 in the OpenAI error shape. The key is compared in constant time
+and never logged. The check reads the ASGI `scope["path"]`, the path the proxy forwards
+(`forwarded_path`), never one rebuilt from the Host header. (The workers' own check,
+`api/auth.py`, lives in a package that loads the engine; the router does not.)
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ from nanollmserve.router.errors import error_response
 # The playground page (served by a worker through the router) holds no data, as on a worker
 # (api/auth.py; not imported: the api package loads the engine).
 PLAYGROUND_PATHS = frozenset({"/", "/static/app.js", "/static/app.css"})
-OPEN_PATHS = frozenset({"/health", "/metrics"}) | PLAYGROUND_PATHS
+OPEN_PATHS = frozenset({"/health"}) | PLAYGROUND_PATHS
+METRICS_PATH = "/metrics"
 
 
 class RouterAPIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics_require_auth: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = OPEN_PATHS if metrics_require_auth else OPEN_PATHS | {METRICS_PATH}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

@@ -10,6 +10,9 @@
   retryable until the last byte.
 - A client that goes away closes the upstream request at once, streaming or not, so the
   worker aborts it and frees its KV blocks (`collect_final` / `SSEResponse` on its side).
+- The worker gets exactly the path the router authorized, ASGI's `scope["path"]` (re-quoted)
+  and query string: `request.url` is rebuilt from the Host header in some Starlette versions,
+  where `Host: x/v1/completions?` once turned an open path into another one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
@@ -128,9 +132,7 @@ class Proxy:
 
     async def _attempt(self, worker: Worker, request: Request, body: bytes, gone) -> object:
         """A Response for the client, or a Failure that another worker may retry."""
-        url = f"{worker.url}{request.url.path}"
-        if request.url.query:
-            url += f"?{request.url.query}"
+        url = f"{worker.url}{forwarded_path(request)}"
         upstream = self.client.build_request(
             request.method, url, headers=self.upstream_headers(request), content=body
         )
@@ -150,7 +152,7 @@ class Proxy:
                 return Failure(f"{worker.url} answered {response.status_code}", answer)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 handed_over = True
-                relay = self._relay(worker, response, request.url.path)
+                relay = self._relay(worker, response, request.scope["path"])
                 return StreamingResponse(relay, response.status_code, headers=headers)
             content = await _unless_gone(response.aread(), gone)
             return Response(content, response.status_code, headers=headers)
@@ -186,6 +188,19 @@ class Proxy:
         finally:
             worker.num_in_flight -= 1
             await _close(response)
+
+
+def forwarded_path(request: Request) -> str:
+    """The path (and query) for the worker: the decoded ASGI path the router matched and
+    authorized, quoted again so the worker decodes it to the same string (dot segments too,
+    which httpx would otherwise resolve)."""
+    segments = request.scope["path"].split("/")
+    path = "/".join(
+        seg.replace(".", "%2E") if seg in (".", "..") else urllib.parse.quote(seg, safe="")
+        for seg in segments
+    )
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    return f"{path}?{query}" if query else path
 
 
 def response_headers(response: httpx.Response) -> dict[str, str]:

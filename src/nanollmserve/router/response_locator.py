@@ -8,6 +8,7 @@ reach the worker that stored that response: the router asks the healthy workers
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 from collections import OrderedDict
 
 import httpx
@@ -42,7 +43,9 @@ class ResponseLocator:
     async def _has(self, worker: Worker, response_id: str, headers: dict[str, str]) -> bool:
         try:
             response = await self.client.get(
-                f"{worker.url}/v1/responses/{response_id}", headers=headers, timeout=5.0
+                f"{worker.url}/v1/responses/{urllib.parse.quote(response_id, safe='')}",
+                headers=headers,
+                timeout=5.0,
             )
         except httpx.HTTPError:
             return False
