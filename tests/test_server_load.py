@@ -64,7 +64,8 @@ def test_dropped_streams_are_aborted_and_blocks_return(server):
 
 def test_non_streaming_client_disconnect_aborts(server):
     before = server.wait_idle()
-    body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True}
+    # Far more tokens than any machine makes during the client's 1 s timeout.
+    body = {"prompt": "Count slowly:", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout), server.client(timeout=1.0) as client:
         client.post("/v1/completions", json=body)
     deadline = time.monotonic() + 20
@@ -73,7 +74,7 @@ def test_non_streaming_client_disconnect_aborts(server):
         time.sleep(0.05)
     after = server.wait_idle()
     assert after["num_free_blocks"] == after["num_total_blocks"]
-    assert after["num_generation_tokens"] - before["num_generation_tokens"] < 400
+    assert after["num_generation_tokens"] - before["num_generation_tokens"] < 2000
 
 
 def test_32_concurrent_chats_are_batched(server):

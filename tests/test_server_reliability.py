@@ -32,7 +32,22 @@ def _kv_bytes_per_token() -> int:
     return ModelConfig.from_pretrained(resolve_model(None).path).kv_bytes_per_token(torch.float32)
 
 
+STALLED_TOKENS = 8 * 100
+"""Tokens the 8 unread streams generate before the memory is measured."""
+
+
+def _wait_generated(server: LiveServer, total: int, timeout: float) -> dict:
+    """The server's stats once it has generated `total` tokens since it started."""
+    deadline = time.monotonic() + timeout
+    while (stats := server.stats())["num_generation_tokens"] < total:
+        assert time.monotonic() < deadline, f"only {stats['num_generation_tokens']} of {total}"
+        time.sleep(0.2)
+    return stats
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@pytest.mark.milestone("m21")
+@pytest.mark.timeout(400)
 def test_stalled_streams_do_not_grow_memory_and_free_their_blocks():
     server = LiveServer.start("--num-kv-blocks", "2048", "--max-num-seqs", "8")
     try:
@@ -48,9 +63,9 @@ def test_stalled_streams_do_not_grow_memory_and_free_their_blocks():
             response = client.send(request, stream=True)
             assert response.status_code == 200
             responses.append(response)
-        time.sleep(25)
+        # Measured at a token count, not after a fixed time: the same work on any machine.
+        stats = _wait_generated(server, generated_before + STALLED_TOKENS, timeout=240)
         grown = _rss_bytes(server.process.pid) - before
-        stats = server.stats()
         generated = stats["num_generation_tokens"] - generated_before
         # The CPU KV pool is committed page by page as tokens are written (zero pages of an
         # anonymous map), so the K/V of the blocks in use count in the RSS: take them out.
@@ -61,8 +76,7 @@ def test_stalled_streams_do_not_grow_memory_and_free_their_blocks():
             f"8 stalled streams: {generated} tokens generated, RSS grew {grown / 2**20:.1f} MB, "
             f"{outside_kv / 2**20:.1f} MB outside the {used_blocks} KV blocks in use"
         )
-        assert stats["num_requests_running"] == 8
-        assert generated > 8 * 100  # the streams really ran while nobody read them
+        assert stats["num_requests_running"] == 8  # all still running, nobody reading
         assert outside_kv < 100 * 2**20
         for response, client in zip(responses, clients, strict=True):
             response.close()
@@ -74,7 +88,10 @@ def test_stalled_streams_do_not_grow_memory_and_free_their_blocks():
         server.stop()
 
 
+@pytest.mark.milestone("m21")
 def test_health_answers_while_a_huge_prompt_is_tokenized():
+    """Timed against the huge request itself, not against fixed seconds: tokenized on the
+    event loop, a /health sent during the tokenization would wait for most of it."""
     server = LiveServer.start()
     try:
         prompt = "hello world, this is a test of tokenization. " * 78_000  # ~3.5 MB
@@ -82,30 +99,34 @@ def test_health_answers_while_a_huge_prompt_is_tokenized():
 
         def send_big() -> None:
             with server.client() as client:
-                start = time.perf_counter()
+                result["start"] = time.monotonic()
                 response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
-                result["seconds"] = time.perf_counter() - start
+                result["end"] = time.monotonic()
                 result["response"] = response
 
         thread = threading.Thread(target=send_big)
         thread.start()
-        latencies = []
-        with httpx.Client(base_url=server.url, timeout=10) as client:
+        polls = []  # (sent, answered) of each /health
+        with httpx.Client(base_url=server.url, timeout=120) as client:
             while thread.is_alive():
-                start = time.perf_counter()
+                sent = time.monotonic()
                 assert client.get("/health").status_code == 200
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.05)
+                polls.append((sent, time.monotonic()))
+                time.sleep(0.02)
         thread.join()
         response = result["response"]
+        seconds = result["end"] - result["start"]
+        # Sent while the huge request was in flight (answered maybe only after it, if blocked).
+        during = [a - s for s, a in polls if result["start"] <= s <= result["end"]]
         print(
-            f"big prompt answered in {result['seconds']:.2f} s; /health max {max(latencies):.3f} s"
+            f"big prompt answered in {seconds:.2f} s; {len(during)} /health polls during it, "
+            f"max {max(during, default=0):.3f} s"
         )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "prompt"
         assert "maximum context length" in response.json()["error"]["message"]
-        assert result["seconds"] > 1.0 and len(latencies) >= 5  # polled during the tokenization
-        assert max(latencies) < 1.0
+        assert len(during) >= 3, "the huge request ended before /health was polled"
+        assert max(during) < seconds / 4, (max(during), seconds)
     finally:
         server.stop()
 
