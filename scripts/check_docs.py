@@ -1,13 +1,22 @@
-"""Checks the harness docs: required files, AGENTS.md links, milestones, markers, histories.
+"""Checks the harness docs: required files, AGENTS.md links, milestones, markers, histories,
+and that the docs stay true: no "planned"/"pending"/"not built yet" wording about a milestone
+that is done, a history entry for every commit since the marker in histories/checked-since
+(or a line in histories/trivial-commits.txt), and provenance in every benchmark JSON under
+docs/ (bench/provenance.py) but the older ones listed in docs/assets/bench/without-provenance.txt.
 
-Run by `make check` (scripts/check) and by tests/test_harness.py. Standard library only.
+Run by `make check` (scripts/check) and by tests/test_harness.py, tests/test_docs_checks.py.
+Standard library only (and `git`, when the repository's history is there: without it, or in
+a shallow clone that lacks the marker commit, the history check says so and is skipped).
 Prints one line per problem and exits 1 when there is any, 0 otherwise.
 Usage: python scripts/check_docs.py [REPO_ROOT]   (default: the repository of this script)
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +57,22 @@ HISTORY_FILE_RE = re.compile(r"^(\d{4})(\d{2})\d{2}-\d{4}-[a-z0-9]+(?:-[a-z0-9]+
 LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 MARKER_RE = re.compile(r"mark\.milestone\(\s*[\"']([^\"']*)[\"']")
 INDEX_ROW_RE = re.compile(r"^\|\s*(m\d{2})\s*\|(.*)\|\s*$")
+
+# Wording that says a thing does not exist yet; an error next to a milestone that is done.
+STALE_RE = re.compile(
+    r"\bplanned\b|\b(?:is|are|still|stays?|remains?)\s+\**pending\b|\bpending\s+(?:until|on)\b"
+    r"|\bnot (?:built|implemented|done) yet\b|\bnot yet (?:built|implemented)\b",
+    re.IGNORECASE,
+)
+MILESTONE_ID_RE = re.compile(r"\bm(\d{2})(?:\s*(?:-|–|to)\s*m(\d{2}))?\b")
+SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`*])")
+# Title words too common to stand for their milestone in a sentence.
+GENERIC_TITLE_PHRASES = {"foundation", "setup", "packaging", "benchmarks", "the generate command"}
+HISTORY_MARKER = "histories/checked-since"
+TRIVIAL_COMMITS = "histories/trivial-commits.txt"
+BENCH_PROVENANCE_KEYS = ("git", "date", "cpu_model", "cores", "command")
+BENCH_WITHOUT_PROVENANCE = "docs/assets/bench/without-provenance.txt"
+GIT_REVISION_RE = re.compile(r"^[0-9a-f]{7,40}(-dirty)?$")
 
 
 def rel(path: Path) -> str:
@@ -208,6 +233,176 @@ def check_histories(errors: list[str]) -> None:
             )
 
 
+def _title_phrases(path: Path) -> list[str]:
+    """`# m13 Router and cluster` -> ["router", "cluster"]: the phrases of a milestone's
+    title a sentence can name it by."""
+    text = path.read_text()
+    title = re.sub(r"^#\s*m\d{2}\s*[—–-]?\s*", "", text.splitlines()[0] if text else "")
+    phrases = re.split(r",|:|\band\b|\(|\)", title.lower())
+    return [p.strip() for p in phrases if p.strip() and p.strip() not in GENERIC_TITLE_PHRASES]
+
+
+def _prose_units(text: str) -> list[tuple[int, str]]:
+    """(line number, sentence) of a markdown text outside code blocks: a table row or list
+    item is one unit, a paragraph is split into sentences."""
+    units: list[tuple[int, str]] = []
+    paragraph: list[str] = []
+    start, in_code = 0, False
+
+    def flush() -> None:
+        if paragraph:
+            for sentence in SENTENCE_END_RE.split(" ".join(paragraph)):
+                units.append((start, sentence))
+            paragraph.clear()
+
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith(("```", "~~~")):
+            flush()
+            in_code = not in_code
+            continue
+        if in_code:
+            continue
+        if not stripped or stripped.startswith(("|", "#")):
+            flush()
+            if stripped:
+                units.append((number, stripped))
+            continue
+        if re.match(r"^([-*+]|\d+\.)\s", stripped) or not paragraph:
+            flush()
+            start = number
+        paragraph.append(stripped)
+    flush()
+    return units
+
+
+def stale_wording(text: str, milestones: dict[str, tuple[Path, str]]) -> list[tuple[int, str]]:
+    """(line, message) for each sentence of `text` that calls a done milestone's work
+    planned, pending or not built yet (by its id, a range of ids, or its title's words)."""
+    done = {mid: path for mid, (path, status) in milestones.items() if status == "done"}
+    phrases = {mid: _title_phrases(path) for mid, path in done.items()}
+    found = []
+    for number, sentence in _prose_units(text):
+        stale = STALE_RE.search(sentence)
+        if not stale:
+            continue
+        named = set()
+        for first, last in MILESTONE_ID_RE.findall(sentence):
+            named |= {f"m{n:02d}" for n in range(int(first), int(last or first) + 1)}
+        lowered = sentence.lower()
+        for mid, words in phrases.items():
+            if any(re.search(rf"\b{re.escape(w)}", lowered) for w in words):
+                named.add(mid)
+        named &= set(done)
+        if named:
+            ids = ", ".join(sorted(named))
+            found.append(
+                (number, f"says {stale.group(0)!r} about {ids} (done): {sentence[:100]!r}")
+            )
+    return found
+
+
+def check_stale_wording(errors: list[str], milestones: dict[str, tuple[Path, str]]) -> None:
+    pages = [ROOT / "README.md", ROOT / "AGENTS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for path in pages:
+        if path.is_file():
+            for number, message in stale_wording(path.read_text(), milestones):
+                errors.append(f"{rel(path)}:{number}: {message}")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def commits_without_history(marker: str, trivial: set[str]) -> list[str] | None:
+    """'hash subject' of each commit after `marker` (merges aside) that adds no history
+    file and is not listed as trivial; None when the history is not available."""
+    if _git("cat-file", "-e", f"{marker}^{{commit}}") is None:
+        return None
+    log = _git("log", "--reverse", "--no-merges", "--format=%H %s", f"{marker}..HEAD")
+    if log is None:
+        return None
+    missing = []
+    for line in log.splitlines():
+        commit, _, subject = line.partition(" ")
+        if any(commit.startswith(t) for t in trivial):
+            continue
+        added = _git("diff-tree", "--no-commit-id", "-r", "--name-only", "--diff-filter=A",
+                     commit, "--", "histories/")  # fmt: skip
+        if not any(
+            name.endswith(".md") and not name.endswith("template.md")
+            for name in (added or "").splitlines()
+        ):
+            missing.append(f"{commit[:7]} {subject}")
+    return missing
+
+
+def check_commit_histories(errors: list[str]) -> None:
+    marker_file = ROOT / HISTORY_MARKER
+    if not marker_file.is_file():
+        errors.append(f"{HISTORY_MARKER}: required file is missing (the first commit checked)")
+        return
+    marker = marker_file.read_text().split()[0]
+    trivial_file = ROOT / TRIVIAL_COMMITS
+    trivial = set()
+    if trivial_file.is_file():
+        for line in trivial_file.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                trivial.add(line.split()[0])
+    missing = commits_without_history(marker, trivial)
+    if missing is None:
+        print(f"check_docs: note: no git history back to {marker[:7]} here (a shallow clone?); "
+              "the history-per-commit check is skipped")  # fmt: skip
+        return
+    for commit in missing:
+        errors.append(
+            f"commit {commit!r} has no history entry: add one in that commit "
+            f"(scripts/new-history) or list it in {TRIVIAL_COMMITS} (a docs typo, formatting)"
+        )
+
+
+def bench_provenance_problem(record: object) -> str | None:
+    """Why a benchmark JSON record lacks its provenance, or None when it has it."""
+    provenance = record.get("provenance") if isinstance(record, dict) else None
+    if not isinstance(provenance, dict):
+        return "has no provenance (git, date, cpu_model, cores, command: bench/provenance.py)"
+    missing = [key for key in BENCH_PROVENANCE_KEYS if provenance.get(key) in (None, "")]
+    if missing:
+        return "provenance lacks " + ", ".join(missing)
+    if not GIT_REVISION_RE.match(str(provenance["git"])):
+        return (
+            f"provenance git must be a revision, with -dirty if uncommitted: {provenance['git']!r}"
+        )
+    return None
+
+
+def check_bench_provenance(errors: list[str]) -> None:
+    exempt_file = ROOT / BENCH_WITHOUT_PROVENANCE
+    exempt = set()
+    if exempt_file.is_file():
+        for line in exempt_file.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                exempt.add(line.strip())
+    for path in sorted((ROOT / "docs").rglob("*.json")):
+        if rel(path) in exempt:
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except ValueError as exc:
+            errors.append(f"{rel(path)}: not JSON: {exc}")
+            continue
+        problem = bench_provenance_problem(record)
+        if problem:
+            errors.append(f"{rel(path)}: {problem}")
+    for name in sorted(exempt):
+        if not (ROOT / name).is_file():
+            errors.append(f"{BENCH_WITHOUT_PROVENANCE}: lists a missing file: {name}")
+
+
 def check_docs_nav(errors: list[str]) -> None:
     mkdocs_yml = ROOT / "mkdocs.yml"
     if not mkdocs_yml.is_file():
@@ -218,6 +413,19 @@ def check_docs_nav(errors: list[str]) -> None:
         page = path.relative_to(ROOT / "docs").as_posix()
         if not re.search(rf"[\s:]{re.escape(page)}\s*$", nav_text, re.MULTILINE):
             errors.append(f"mkdocs.yml: docs page {page} is not listed in nav")
+
+
+def check_compat_matrix(errors: list[str]) -> None:
+    """The compatibility matrix (scripts/compat_matrix.py): evidence in every cell, the named
+    test functions exist, docs/features/compatibility.md is current."""
+    script = ROOT / "scripts" / "compat_matrix.py"
+    if not script.is_file():
+        return
+    spec = importlib.util.spec_from_file_location("compat_matrix", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    errors.extend(f"compat_matrix: {problem}" for problem in module.check(ROOT))
 
 
 def main(argv: list[str]) -> int:
@@ -232,6 +440,10 @@ def main(argv: list[str]) -> int:
     check_markers(errors, milestones)
     check_histories(errors)
     check_docs_nav(errors)
+    check_stale_wording(errors, milestones)
+    check_commit_histories(errors)
+    check_bench_provenance(errors)
+    check_compat_matrix(errors)
     for error in errors:
         print(f"check_docs: {error}")
     if errors:

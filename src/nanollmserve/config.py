@@ -11,6 +11,7 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from nanollmserve.cli.sizes import parse_size
 from nanollmserve.errors import UserError
 from nanollmserve.speculative_config import SpeculativeConfig
 
@@ -34,8 +35,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Number of KV cache blocks (overrides --kv-cache-memory)."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache (default: 1 GiB on CPU; on CUDA what --gpu-memory-utilization
-    leaves after the weights)."""
+    """Bytes for the KV cache, or a size such as 2GiB or 512MiB (default: 1 GiB on CPU; on CUDA
+    what --gpu-memory-utilization leaves after the weights)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's total memory this engine may use (0 < F <= 1); the KV cache gets
     what is left after the weights. CUDA only (on CPU, --kv-cache-memory sizes the cache)."""
@@ -66,6 +67,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        for name in BYTE_SIZE_FIELDS:  # LLM(kv_cache_memory="2GiB") reads as the flag does
+            if getattr(self, name) is not None:
+                try:
+                    setattr(self, name, parse_size(getattr(self, name)))
+                except ValueError as exc:
+                    raise UserError(f"{name}: {exc}") from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -102,6 +109,10 @@ class EngineConfig:
             )
 
 
+# Fields given in bytes: their flags take sizes with a suffix (`--kv-cache-memory 2GiB`).
+BYTE_SIZE_FIELDS = ("kv_cache_memory",)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -133,6 +144,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                 )
         else:
             kind = int if "int" in f.type else float if "float" in f.type else str
+            if f.name in BYTE_SIZE_FIELDS:
+                kind = parse_size
             parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default, help=doc)
 
 

@@ -23,6 +23,8 @@ import random
 import statistics
 import time
 
+from nanollmserve.bench.report import emit
+
 DEFAULT_SCHEMA = {
     "type": "object",
     "properties": {
@@ -116,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.generate:
         report["generate"] = _generate(args, args.schema or DEFAULT_SCHEMA)
-    print(json.dumps(report, indent=2))
-    return 0
+    return emit(report, args)
 
 
 def _generate(args: argparse.Namespace, schema: dict) -> dict:

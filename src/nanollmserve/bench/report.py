@@ -1,4 +1,5 @@
-"""Shared plumbing of the benchmarks: engine flags, the JSON result, statistics."""
+"""Shared plumbing of the benchmarks: engine flags, the JSON result (with its provenance),
+statistics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from nanollmserve.bench.provenance import provenance
 from nanollmserve.config import add_engine_args
 
 
@@ -18,7 +20,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, engine: bool = True) -> 
 
 
 def emit(result: dict, args: argparse.Namespace) -> int:
-    """Print the result as JSON on stdout (and to --output)."""
+    """Print the result as JSON on stdout (and to --output), with its `provenance`: git
+    revision, date, CPU, cores and the command that made it."""
+    result = {**result, "provenance": provenance(getattr(args, "argv", None))}
     text = json.dumps(result, indent=2)
     print(text)
     if getattr(args, "output", None):

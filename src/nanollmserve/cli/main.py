@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra_args and not getattr(args, "takes_extra_args", False):
         parser.error(f"unrecognized arguments: {' '.join(extra_args)}")
     args.extra_args = extra_args  # `cluster` passes them to its workers as serve flags
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # bench records its command
     if args.version:
         from nanollmserve import __version__
 
