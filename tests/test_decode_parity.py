@@ -94,8 +94,8 @@ def bf16_device() -> str:
 def test_bundled_model_bfloat16_greedy_matches_transformers_bfloat16() -> None:
     """Served dtype: 64 greedy tokens x 4 chat prompts, engine bf16 vs HF bf16 `generate`.
     Where the two differ, the first differing position must be a tie in HF's own bf16
-    logits: its top two are our token and HF's, equal or adjacent bfloat16 values (the
-    gap at most one bf16 step, 0.125 for logits in [16, 32)); the gap is printed."""
+    logits: our token and HF's are both within two bf16 steps of HF's largest logit (a
+    step is 0.125 for logits in [16, 32)); the gaps are printed."""
     device = bf16_device()
     llm = LLM(dtype="bfloat16", device=device, num_kv_blocks=256)
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.loaded.model_dir, dtype=torch.bfloat16)
@@ -116,11 +116,14 @@ def test_bundled_model_bfloat16_greedy_matches_transformers_bfloat16() -> None:
         with torch.inference_mode():
             ids = torch.tensor([prompt + reference[:i]], device=hf.device)
             logits = hf(ids).logits[0, -1].float()
-        top2 = logits.cpu().topk(2)
-        gap = float(top2.values[0] - top2.values[1])
-        print(f"bf16 divergence at token {i} of {conversation[0]['content']!r}: HF top-2 gap {gap}")
-        # HF's top two are its token and ours (in either order: a tie has no order).
-        assert set(top2.indices.tolist()) == {reference[i], ours[i]}, (i, top2, ours[i])
-        assert gap <= bf16_spacing(float(top2.values[0])), (i, gap)
+        logits = logits.cpu()
+        top = float(logits.max())
+        gaps = {t: top - float(logits[t]) for t in (reference[i], ours[i])}
+        print(f"bf16 divergence at token {i} of {conversation[0]['content']!r}: gaps {gaps}")
+        # Both are at HF's top, within two bf16 steps of it: a tie has no order, it may take
+        # more than two tokens (seen with AMX: three at 11.5), and HF's own cached `generate`
+        # lands a step below the top of its full recompute (seen: 0.0625 at 13.69), so two
+        # bf16 computations of one logit differ by a step; ours may differ by one more.
+        assert all(gap <= 2 * bf16_spacing(top) for gap in gaps.values()), (i, gaps, top)
     # Ties are common over 64 bf16 tokens: every prompt may diverge, each at a tie.
     print(f"bf16 greedy: {exact} of {len(BF16_PROMPTS)} prompts equal HF token for token")

@@ -153,6 +153,11 @@ def test_a_request_whose_sampling_fails_fails_alone_over_http(server):
     alive(server)
     stats = server.wait_idle()
     assert stats["num_requests_running"] == 0
+    with server.client() as client:
+        metrics = client.get("/metrics").text
+    failed = [line for line in metrics.splitlines()
+              if line.startswith("nanollmserve:num_failed_requests_total{")]  # fmt: skip
+    assert failed and float(failed[0].split()[-1]) >= 6, failed  # never counted as successes
 
 
 @pytest.mark.timeout(300)

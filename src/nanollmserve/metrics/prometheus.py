@@ -153,6 +153,11 @@ class ServerMetrics:
             "nanollmserve:num_aborted_requests_total",
             "Requests aborted (client gone, cancelled, shutdown).",
         ).labels(**labels)
+        self._failed = counter(
+            "nanollmserve:num_failed_requests_total",
+            'Requests that ended with an error of their own (finish reason "error": their '
+            "sampling raised), not counted as successes.",
+        ).labels(**labels)
 
         self._ttft = histogram(
             "nanollmserve:time_to_first_token_seconds",
@@ -252,6 +257,9 @@ class ServerMetrics:
             self._ttft.observe(metrics.ttft)
         if "abort" in reasons or not reasons:
             self._aborted.inc()
+            return
+        if "error" in reasons:
+            self._failed.inc()
             return
         self._success[reasons[0] if reasons[0] in self._success else "stop"].inc()
         if metrics is None:
