@@ -162,6 +162,20 @@ def test_the_native_step_covers_biases_qk_norm_and_untied_heads(case, tmp_path):
     assert worst < 1e-3, worst  # a missing bias or norm moves the logits by ~10-100%
 
 
+def test_a_model_with_mlp_biases_is_not_decoded_natively(tmp_path):
+    """The C layer has no MLP bias: a model with `mlp_bias` keeps the PyTorch forward (which
+    adds it) instead of decoding wrong logits silently."""
+    from transformers import LlamaConfig
+
+    make_tiny_hf_model(LlamaConfig, tmp_path, mlp_bias=True)
+    AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=16)
+    runner = llm.engine.model_runner
+    to_block_layers(runner.model)
+    assert runner.model.model.layers[0].mlp.down_proj.bias is not None
+    assert NativeDecodeStep.for_model(runner.model, 64 * 16) is None
+
+
 def test_without_the_native_kernels_gguf_is_a_clear_error_and_the_default_dequantizes(
     make_llm, monkeypatch
 ):

@@ -149,6 +149,11 @@ class NativeDecodeStep:
             or attention.attn.k_cache.numel() == 0
         ):
             return None
+        mlps = [layer.mlp for layer in decoder.layers]
+        if any(m.gate_up_proj.bias is not None or m.down_proj.bias is not None for m in mlps):
+            # The C layer has no MLP bias: the PyTorch forward (which adds it) decodes instead.
+            logger.info("the native decode step has no MLP bias; decoding with PyTorch")
+            return None
         logger.info("single-stream decode steps run as one native call (GGUF blocks)")
         return cls(model, library, max_context)
 
