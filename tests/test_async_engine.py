@@ -88,26 +88,36 @@ def test_a_lagging_reader_gets_one_merged_output(engine):
     assert outputs[0].outputs[0].text == final.outputs[0].text
 
 
+@pytest.mark.timeout(600)
 def test_an_unread_stream_holds_memory_linear_in_its_output(engine):
-    """800 tokens nobody reads: one merged delta waits (tens of KB); a queue of cumulative
-    copies would hold ~800 * 400 token ids and characters (several MB)."""
-    params = SamplingParams(max_tokens=800, ignore_eos=True, temperature=0)
+    """1000 tokens nobody reads: one merged delta waits (tens of KB). Allocations are traced
+    over the last 300 or so (tracing every step is slow on a loaded machine): a queue of
+    cumulative copies would hold ~300 copies of ~850 token ids and their text there (~3 MB)."""
+    params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0)
+    start_tracing_at = 700
 
     async def run():
+        before = engine.stats().engine.num_generation_tokens
         stream = await engine.add_request("Once upon a time", params)
-        while engine.num_sequences_in_flight:
-            await asyncio.sleep(0.05)
-        held, _ = tracemalloc.get_traced_memory()
-        outputs = [o async for o in stream]
+        try:
+            while engine.num_sequences_in_flight:
+                generated = engine.stats().engine.num_generation_tokens - before
+                if generated >= start_tracing_at and not tracemalloc.is_tracing():
+                    tracemalloc.start()
+                await asyncio.sleep(0.01)
+            assert tracemalloc.is_tracing(), "the request ended before tracing started"
+            held, _ = tracemalloc.get_traced_memory()
+            outputs = [o async for o in stream]
+        finally:
+            stream.abort()  # a no-op once read; frees the engine if this test is stopped
         return held, outputs
 
-    tracemalloc.start()
     try:
         held, outputs = asyncio.run(run())
     finally:
         tracemalloc.stop()
-    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 800
-    assert held < 1 << 20, f"{held} bytes held by an unread 800-token stream"
+    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 1000
+    assert held < 1 << 20, f"{held} bytes held by an unread 1000-token stream"
 
 
 def test_closing_the_generator_aborts_and_frees_blocks(engine):
