@@ -232,11 +232,13 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
         return library.nls_paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), attention.v_cache.data_ptr(), 1,
             attention.num_heads, attention.num_kv_heads, attention.head_dim, k_cache.shape[1],
-            attention.scale, tables.data_ptr(), 1, lens.data_ptr(), out.data_ptr(), 1,
+            k_cache.shape[0], attention.scale, tables.data_ptr(), 1, lens.data_ptr(),
+            out.data_ptr(), 1,
         )  # fmt: skip
 
     assert raw_attention([0], 17) == -2  # longer than its one block of 16
     assert raw_attention([-5], 3) == -4
+    assert raw_attention([k_cache.shape[0]], 3) == -4  # one past the pool
     assert raw_attention([0], 3) == 0
 
     projection = llm.engine.model_runner.model.model.layers[0].mlp.down_proj

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 
+from nanollmserve.bench.provenance import cpu_model
 from nanollmserve.bench.report import add_common_args, emit, log, median, ratio
 from nanollmserve.bench.workload import random_requests
 
@@ -98,18 +99,6 @@ def copy_json_prompt_token_ids(tokenizer, input_len: int) -> list[int]:
         records.append({"id": 100 + i, "name": name, "city": city, "active": i % 3 != 0})
     message = "Repeat this JSON object exactly:\n" + json.dumps({"records": records})
     return chat_prompt_token_ids(tokenizer, [{"role": "user", "content": message}])
-
-
-def cpu_model_name() -> str | None:
-    """The CPU's model name, as `lscpu` prints it (from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             "device": str(base.engine.device),
             "dtype": dtype_name(base.engine.dtype),
             "quantization": base.engine.loaded.quantization,
-            "cpu_model": cpu_model_name(),
+            "cpu_model": cpu_model(),
             "torch_threads": torch.get_num_threads(),
             "speculative_config": dict(vars(engines["spec"].config.speculative_config)),
             "copy_prompt_tokens": len(copy_ids),

@@ -82,17 +82,18 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         tables = ctx.decode_block_tables.contiguous()
         lens = ctx.decode_context_lens.contiguous()
-        _check_block_tables(tables, lens, self.k_cache.shape[0], self.k_cache.shape[1])
+        num_blocks, block_size = self.k_cache.shape[:2]
         status = native.nls_paged_decode_attention(
             q.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr(), q.shape[0],
-            self.num_heads, self.num_kv_heads, self.head_dim, self.k_cache.shape[1], self.scale,
+            self.num_heads, self.num_kv_heads, self.head_dim, block_size, num_blocks, self.scale,
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if status == -1:
             raise MemoryError("native paged decode attention: out of memory")
-        if status != 0:
-            raise ValueError(f"native paged decode attention refused its inputs (status {status})")
+        if status != 0:  # the C checks every block id and length it reads through
+            reason = _ATTENTION_REFUSALS.get(status, f"status {status}")
+            raise ValueError(f"native paged decode attention refused its inputs: {reason}")
         return out
 
     def _prefill(self, q, k, v, span) -> torch.Tensor:
@@ -112,16 +113,12 @@ class PagedAttention(nn.Module):
         return out.squeeze(0).transpose(0, 1)
 
 
-def _check_block_tables(
-    tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int
-) -> None:
-    """ValueError unless every block id is in the pool and every context fits its table (the
-    native kernel reads the cache through them, with no bounds of its own on the pool)."""
-    low, high = torch.aminmax(tables) if tables.numel() else (0, 0)
-    if int(low) < 0 or int(high) >= num_blocks:
-        raise ValueError(f"decode block tables name blocks outside [0, {num_blocks})")
-    if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
-        raise ValueError("a decode context is longer than its block table")
+# `nls_paged_decode_attention`'s refusals (NLS_BAD_* in native/gguf_cpu.c).
+_ATTENTION_REFUSALS = {
+    -2: "a decode context is longer than its block table",
+    -4: "a decode block table names a block outside the KV pool",
+    -5: "heads or head size it cannot run",
+}
 
 
 def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int):

@@ -163,7 +163,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     library.nls_filtered_draw.restype = ctypes.c_int
     c_int32 = ctypes.c_int32
     library.nls_paged_decode_attention.argtypes = [
-        *[c_ptr] * 3, c_int64, c_int32, c_int32, c_int32, c_int32, ctypes.c_float,
+        *[c_ptr] * 3, c_int64, c_int32, c_int32, c_int32, c_int32, c_int64, ctypes.c_float,
         c_ptr, c_int64, c_ptr, c_ptr, ctypes.c_int,
     ]  # fmt: skip
     library.nls_paged_decode_attention.restype = ctypes.c_int

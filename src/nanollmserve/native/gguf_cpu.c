@@ -517,11 +517,10 @@ int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const i
  * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, head) is
  * one work item. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
  * cannot run, NLS_BAD_POSITION for a context length not in [1, table_width * block_size],
- * or NLS_BAD_BLOCK for a negative block id (the caller checks the upper bound: the cache's
- * size is not passed here). */
+ * or NLS_BAD_BLOCK for a block id outside [0, num_blocks) (the caches' first dimension). */
 int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                               int32_t block_size, float scale, const int64_t *block_tables,
+                               int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
                                int64_t table_width, const int64_t *context_lens, float *out,
                                int num_threads) {
     if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
@@ -532,7 +531,8 @@ int nls_paged_decode_attention(const float *q, const float *k_cache, const float
         const int64_t ctx = context_lens[s];
         if (ctx < 1 || ctx > table_width * block_size) return NLS_BAD_POSITION;
         for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
-            if (block_tables[s * table_width + b] < 0) return NLS_BAD_BLOCK;
+            if (block_tables[s * table_width + b] < 0 || block_tables[s * table_width + b] >= num_blocks)
+                return NLS_BAD_BLOCK;
         longest = ctx > longest ? ctx : longest;
     }
     const int group = num_heads / num_kv_heads;
