@@ -10,11 +10,7 @@ from torch import nn
 
 from nanollmserve import SamplingParams
 from nanollmserve.errors import UserError
-from nanollmserve.layers.gguf_linear import (
-    MAX_NATIVE_ROWS,
-    GGUFLinear,
-    native_kernel_for_every_step,
-)
+from nanollmserve.layers.gguf_linear import GGUFLinear
 from nanollmserve.model.gguf_blocks import KIND_Q4, KIND_Q8, BlockRows, read_gguf_blocks
 from nanollmserve.model.gguf_cache import cache_root
 from nanollmserve.model.source import bundled_gguf_path
@@ -42,23 +38,65 @@ def random_block_rows(rows: int, cols: int, kind: int = KIND_Q4, seed: int = 0) 
     return BlockRows(kind, torch.from_numpy(np.concatenate([codes, d, m], axis=1)))
 
 
-@pytest.mark.parametrize("cols", [160, 352])  # 5 and 11 blocks a row: groups of 8 and tails
+@pytest.mark.parametrize("cols", [160, 352])  # 5 and 11 blocks a row
+@pytest.mark.parametrize("out", [96, 37])  # whole tiles of 16 outputs, and a padded last tile
 @pytest.mark.parametrize("kind", [KIND_Q4, KIND_Q8])
-@pytest.mark.parametrize("rows", [1, 3, MAX_NATIVE_ROWS, MAX_NATIVE_ROWS + 1, 40])
-def test_gguf_linear_computes_the_blocks_weights_at_every_step_size(kind, rows, cols):
-    blocks = random_block_rows(96, cols, kind)
+@pytest.mark.parametrize("rows", [1, 2, 3, 24, 25, 40, 65])
+def test_gguf_linear_computes_the_blocks_weights_at_every_step_size(kind, rows, cols, out):
+    blocks = random_block_rows(out, cols, kind)
     weight = blocks.dequantize()
-    bias = torch.randn(96)
-    layer = GGUFLinear(weight, bias, blocks)
+    bias = torch.randn(out)
+    layer = GGUFLinear(blocks, bias, out, cols)
+    assert not any(
+        p.dtype.is_floating_point and p.numel() == weight.numel() for p in layer.parameters()
+    )
     x = torch.randn(rows, cols)
     x[0, 7] = 40.0  # an outlier: its block's other activations keep 15 bits below it
     expected = F.linear(x.double(), weight.double(), bias.double()).float()
     got = layer(x)
-    assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    # Small steps run the native kernel (activations rounded to int16 per block of 32), large
-    # ones the dense float32 copy.
-    tolerance = 2e-4 if rows <= MAX_NATIVE_ROWS else 1e-5
-    assert (got - expected).abs().max() / expected.abs().max() < tolerance
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    # Every step runs the native kernel (activations rounded to int16 per block of 32).
+    assert (got - expected).abs().max() / expected.abs().max() < 2e-4
+
+
+def test_the_avx2_build_computes_what_the_widest_build_does(monkeypatch):
+    """`NANOLLMSERVE_CPU_ISA=avx2` forces the fallback build; both ISA levels' kernels give the
+    same products (integer sums are exact; only float rounding of the scaling differs)."""
+    import ctypes
+
+    from nanollmserve.native.build import ISA_ENV, build_library, isa_level
+
+    widest = isa_level()
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert isa_level() == "avx2"
+    libraries = {level: ctypes.CDLL(str(build_library(level))) for level in {"avx2", widest}}
+    blocks = random_block_rows(48, 160, KIND_Q4)
+    tiles = blocks.tiled()
+    x = torch.randn(5, 160)
+    results = {}
+    for level, library in libraries.items():
+        library.nls_gguf_matmul_workspace_bytes.restype = ctypes.c_int64
+        size = library.nls_gguf_matmul_workspace_bytes(ctypes.c_int64(160), ctypes.c_int64(5), 2)
+        workspace = torch.empty(size, dtype=torch.uint8)
+        y = torch.empty(5, 48)
+        status = library.nls_gguf_matmul(
+            KIND_Q4, ctypes.c_void_p(tiles.data_ptr()), ctypes.c_int64(48), ctypes.c_int64(160),
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(5), None, ctypes.c_void_p(y.data_ptr()),
+            ctypes.c_void_p(workspace.data_ptr()), ctypes.c_int64(size), 2,
+        )  # fmt: skip
+        assert status == 0
+        results[level] = y
+    expected = F.linear(x.double(), blocks.dequantize().double()).float()
+    for y in results.values():
+        assert (y - expected).abs().max() / expected.abs().max() < 2e-4
+
+
+def test_an_isa_level_the_cpu_lacks_is_refused(monkeypatch):
+    from nanollmserve.native.build import ISA_ENV, NativeUnavailable, isa_level
+
+    monkeypatch.setenv(ISA_ENV, "sse2")
+    with pytest.raises(NativeUnavailable, match="choose one of"):
+        isa_level()
 
 
 def test_q4_0_blocks_run_as_q4_1_with_m_minus_8d():
@@ -73,17 +111,6 @@ def test_q4_0_blocks_run_as_q4_1_with_m_minus_8d():
     expected = (d.astype(np.float32)[..., None] * (nibbles - 8)).reshape(4, 64)
     assert blocks.kind == KIND_Q4
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
-
-
-def test_bench_quality_can_force_every_step_through_the_native_kernel():
-    blocks = random_block_rows(64, 96)
-    model = nn.Sequential(GGUFLinear(blocks.dequantize(), None, blocks))
-    x = torch.randn(MAX_NATIVE_ROWS + 8, 96)
-    dense = model(x)
-    native_kernel_for_every_step(model)
-    kernel = model(x)
-    assert not torch.equal(kernel, dense)  # the kernel's int16 activations, not the dense copy
-    assert (kernel - dense).abs().max() / dense.abs().max() < 2e-4
 
 
 def test_the_file_blocks_are_the_weights_of_the_converted_checkpoint(make_llm):

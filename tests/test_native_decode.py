@@ -139,7 +139,7 @@ def to_block_layers(model: nn.Module) -> None:
         if isinstance(module, nn.Linear) and ".layers." in name:
             blocks = q8_rows(module.weight)
             parent_name, _, attr = name.rpartition(".")
-            layer = GGUFLinear(blocks.dequantize(), module.bias, blocks)
+            layer = GGUFLinear(blocks, module.bias, module.out_features, module.in_features)
             setattr(model.get_submodule(parent_name), attr, layer)
 
 

@@ -242,10 +242,11 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     assert raw_attention([0], 3) == 0
 
     projection = llm.engine.model_runner.model.model.layers[0].mlp.down_proj
-    with pytest.raises(ValueError, match="not \\[rows"):
+    with pytest.raises(ValueError, match="do not fit an input"):
         projection.matmul(torch.randn(1, projection.in_features + 32))
+    workspace = torch.empty(1 << 16, dtype=torch.uint8)
     status = library.nls_gguf_matmul(
-        projection.kind, projection.block_rows.data_ptr(), projection.out_features, 33,
-        q.data_ptr(), 1, None, out.data_ptr(), 1,
+        projection.kind, projection.tiles.data_ptr(), projection.out_features, 33,
+        q.data_ptr(), 1, None, out.data_ptr(), workspace.data_ptr(), workspace.numel(), 1,
     )  # fmt: skip
     assert status == -5  # NLS_BAD_SHAPE

@@ -123,12 +123,6 @@ def run(args: argparse.Namespace) -> int:
         log(f"{name}: loading {CONFIGS[name]}")
         config = EngineConfig(model=args.model, device=args.device, **CONFIGS[name])
         loaded[name] = load_engine_model(config)
-        if loaded[name].quantization == "gguf":
-            from nanollmserve.layers.gguf_linear import native_kernel_for_every_step
-
-            # Score the native kernel's arithmetic (what decode runs), not the dense copy that
-            # large steps such as this whole-text forward would otherwise use.
-            native_kernel_for_every_step(loaded[name].model)
     source = loaded[REFERENCE].source
     tokenizer = load_tokenizer(loaded[REFERENCE].model_dir)
     token_ids = tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]

@@ -87,8 +87,8 @@ class NativeDecodeStep:
             k_norm = getattr(attn, "k_norm", None) if attn.qk_norm else None
             self._layers[i] = _Layer(
                 attn.qkv_proj.kind, attn.o_proj.kind, mlp.gate_up_proj.kind, mlp.down_proj.kind,
-                _ptr(attn.qkv_proj.block_rows), _ptr(attn.o_proj.block_rows),
-                _ptr(mlp.gate_up_proj.block_rows), _ptr(mlp.down_proj.block_rows),
+                _ptr(attn.qkv_proj.tiles), _ptr(attn.o_proj.tiles),
+                _ptr(mlp.gate_up_proj.tiles), _ptr(mlp.down_proj.tiles),
                 _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.bias),
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
                 _ptr(None if q_norm is None else q_norm.weight),
@@ -108,7 +108,7 @@ class NativeDecodeStep:
             self.block_size, 0 if lm_head is None else lm_head.kind,
             self.max_context, self.num_blocks, config.rms_norm_eps, attention.attn.scale,
             _ptr(decoder.embed_tokens.weight), _ptr(decoder.norm.weight), _ptr(rope),
-            _ptr(None if lm_head is None else lm_head.block_rows),
+            _ptr(None if lm_head is None else lm_head.tiles),
             ctypes.cast(self._layers, ctypes.c_void_p),
         )  # fmt: skip
         self._struct_ref = ctypes.byref(self._struct)

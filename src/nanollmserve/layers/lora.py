@@ -55,7 +55,10 @@ class LoRALinear(nn.Module):
         self.slice_sizes = list(slice_sizes)
         self.max_rank = max_rank
         self.batch = batch
-        weight = base.weight
+        # A GGUFLinear keeps no dense weight: its activations are float32 on the CPU.
+        weight = getattr(base, "weight", None)
+        if weight is None:
+            weight = torch.empty(0, dtype=base.dtype)
         num_slices = len(slice_sizes)
         self.register_buffer(
             "lora_a",

@@ -32,9 +32,9 @@ from torch import nn
 class WeightOnlyLinear(nn.Module):
     """A linear layer whose weight is kept in another format: [..., in] -> [..., out]."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = out_features, in_features
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> WeightOnlyLinear:
@@ -53,7 +53,7 @@ class Int8Linear(WeightOnlyLinear):
     """int8 weights with one scale per output channel; activations in the model dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight)
+        super().__init__(*weight.shape)
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
@@ -69,7 +69,7 @@ class Fp16Linear(WeightOnlyLinear):
     """float16 weights packed for fbgemm; float32 in and out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight)
+        super().__init__(*weight.shape)
         if weight.dtype != torch.float32:
             raise ValueError(f"fp16 weight-only linear needs a float32 model, got {weight.dtype}")
         bias = None if bias is None else bias.detach()

@@ -37,6 +37,9 @@ KIND_Q8 = 8
 BLOCK_KINDS = {"Q4_0": KIND_Q4, "Q4_1": KIND_Q4, "Q8_0": KIND_Q8}
 """GGUF block types kept quantized -> the kernel kind that runs them."""
 ROW_BYTES_PER_BLOCK = {KIND_Q4: 20, KIND_Q8: 34}
+TILE_OUTPUTS = 16
+"""Outputs per tile of the kernels' weight layout (`BlockRows.tiled`)."""
+TILE_BLOCK_BYTES = {KIND_Q4: 320, KIND_Q8: 544}
 
 _LAYER_TENSORS = {
     "attn_q": ("self_attn.qkv_proj", 0),
@@ -63,6 +66,38 @@ class BlockRows:
     @property
     def in_features(self) -> int:
         return self.rows.shape[1] // ROW_BYTES_PER_BLOCK[self.kind] * BLOCK_SIZE
+
+    def tiled(self) -> torch.Tensor:
+        """uint8 [tiles, in / 32, TILE_BLOCK_BYTES[kind]]: the layout the native kernels
+        multiply with (`native/gguf_cpu.c`, "tiled block kernel"). Outputs are taken 16 at a
+        time (the last tile padded with zero weights); a tile-block holds the 16 outputs'
+        codes for one block of 32 inputs, arranged so that one 32-byte load widens into the
+        16 outputs' weights for an input pair, then their 16 `d` and (Q4) 16 `m`."""
+        out, nb = self.rows.shape[0], self.in_features // BLOCK_SIZE
+        tiles = -(-out // TILE_OUTPUTS)
+        raw = np.zeros((tiles * TILE_OUTPUTS, self.rows.shape[1]), dtype=np.uint8)
+        raw[:out] = self.rows.numpy()
+        code_bytes = nb * (16 if self.kind == KIND_Q4 else BLOCK_SIZE)
+
+        def per_tile(a: np.ndarray) -> np.ndarray:  # [tiles * 16, nb, X] -> [tiles, nb, 16 * X]
+            a = a.reshape(tiles, TILE_OUTPUTS, nb, -1).transpose(0, 2, 1, 3)
+            return a.reshape(tiles, nb, -1)
+
+        d = per_tile(raw[:, code_bytes : code_bytes + 2 * nb].reshape(-1, nb, 2))
+        if self.kind == KIND_Q8:
+            codes = raw[:, :code_bytes].reshape(-1, TILE_OUTPUTS, nb, 16, 2)  # [.., o, b, p, i]
+            codes = codes.reshape(tiles, TILE_OUTPUTS, nb, 16, 2).transpose(0, 2, 3, 1, 4)
+            parts = [codes.reshape(tiles, nb, 512), d]
+        else:
+            packed = raw[:, :code_bytes].reshape(tiles, TILE_OUTPUTS, nb, 16)
+            low, high = packed & 0x0F, packed >> 4  # inputs 0..15 and 16..31 of each block
+            # group g, byte 2o+i: input 2g+i (low nibble) and 16+2g+i (high nibble) of output o
+            lo = low.reshape(tiles, TILE_OUTPUTS, nb, 8, 2)
+            hi = high.reshape(tiles, TILE_OUTPUTS, nb, 8, 2)
+            codes = (lo | (hi << 4)).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 256)
+            m = per_tile(raw[:, code_bytes + 2 * nb :].reshape(-1, nb, 2))
+            parts = [codes, d, m]
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=2)))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weights these blocks stand for."""

@@ -36,13 +36,33 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_cpu.c", "sampling_cpu.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("gguf_cpu.c", "attention_cpu.c", "sampling_cpu.c")
+)
+HEADERS = (Path(__file__).with_name("native.h"),)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+ISA_LEVELS = {
+    "avx2": ((), ()),
+    "avx512": (
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    ),
+}
+"""ISA level -> (extra compiler flags, the /proc/cpuinfo flags a CPU needs to run that build).
+The same sources are built once per level; the block matmul picks its inner loop with
+`#ifdef __AVX512VNNI__`. `avx2` is the fallback every supported CPU runs."""
+ISA_ENV = "NANOLLMSERVE_CPU_ISA"
+"""Forces an ISA level (`avx2` on an AVX-512 CPU, to measure the AVX2 build there)."""
 
 
 class NativeUnavailable(RuntimeError):
     """Why the native kernels cannot run on this machine."""
+
+
+def _cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
 
 
 def cpu_supports_kernels() -> str | None:
@@ -50,14 +70,27 @@ def cpu_supports_kernels() -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"the native kernels are x86-64 Linux only (this is {platform.machine()})"
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(
-                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
-            )
+        flags = _cpu_flags()
     except OSError as error:
         return f"cannot read /proc/cpuinfo: {error}"
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def isa_level() -> str:
+    """The widest ISA level this CPU runs (`avx512` needs AVX-512 F/BW/VL/DQ and VNNI), or the
+    one `NANOLLMSERVE_CPU_ISA` names; NativeUnavailable when that one cannot run here."""
+    flags = set(_cpu_flags())
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise NativeUnavailable(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISA_LEVELS)}")
+        missing = [flag for flag in ISA_LEVELS[forced][1] if flag not in flags]
+        if missing:
+            raise NativeUnavailable(f"{ISA_ENV}={forced}: this CPU lacks {', '.join(missing)}")
+        return forced
+    runnable = [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
+    return runnable[-1]
 
 
 def _compiler() -> str:
@@ -67,32 +100,40 @@ def _compiler() -> str:
     return compiler
 
 
-def library_path() -> Path:
-    """Where the library for this source, these flags and this compiler lives (built or not)."""
+def build_flags(level: str) -> tuple[str, ...]:
+    return (*FLAGS, *ISA_LEVELS[level][0])
+
+
+def library_path(level: str) -> Path:
+    """Where the library for these sources, this ISA level's flags and this compiler lives
+    (built or not): `native/<hash>/libnanollmserve_native-<level>.so`."""
     from nanollmserve.model.private_cache import cache_root
 
     compiler = _compiler()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
-    digest.update(" ".join(FLAGS).encode())
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)))
+    digest.update(" ".join(build_flags(level)).encode())
     digest.update(version.encode())
-    return cache_root() / "native" / digest.hexdigest()[:16] / "libnanollmserve_native.so"
+    name = f"libnanollmserve_native-{level}.so"
+    return cache_root() / "native" / digest.hexdigest()[:16] / name
 
 
-def build_library() -> Path:
-    """The compiled library, building it first when needed; NativeUnavailable on failure."""
+def build_library(level: str | None = None) -> Path:
+    """The compiled library for `level` (default: `isa_level()`), building it first when
+    needed; NativeUnavailable on failure."""
     reason = cpu_supports_kernels()
     if reason:
         raise NativeUnavailable(reason)
+    level = level or isa_level()
     from nanollmserve.model.private_cache import (
         UntrustedCacheError,
         check_trusted,
         private_cache_dir,
     )
 
-    path = library_path()
+    path = library_path(level)
     try:
         private_cache_dir("native", path.parent.name)
         if path.is_file():
@@ -103,13 +144,13 @@ def build_library() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        command = [_compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
+        command = [_compiler(), *build_flags(level), "-o", tmp, *map(str, SOURCES), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise NativeUnavailable(f"building the native kernels failed:\n{result.stderr[-2000:]}")
         os.chmod(tmp, 0o700)  # the linker creates it with the umask's mode
         os.replace(tmp, path)
-        logger.info("built the native GGUF kernels into %s", path)
+        logger.info("built the native kernels (%s) into %s", level, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -137,17 +178,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(error)
     c_int64, c_ptr = ctypes.c_int64, ctypes.c_void_p
     library.nls_gguf_matmul.argtypes = [
+        ctypes.c_int, c_ptr, c_int64, c_int64, c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64,
         ctypes.c_int,
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_ptr,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        ctypes.c_int,
-    ]
+    ]  # fmt: skip
     library.nls_gguf_matmul.restype = ctypes.c_int
+    library.nls_gguf_matmul_workspace_bytes.argtypes = [c_int64, c_int64, ctypes.c_int]
+    library.nls_gguf_matmul_workspace_bytes.restype = c_int64
     library.nls_decode_scratch_bytes.argtypes = [c_ptr]
     library.nls_decode_scratch_bytes.restype = c_int64
     library.nls_decode_step.argtypes = [c_ptr, c_int64, c_int64, c_ptr, c_ptr, c_ptr, ctypes.c_int]

@@ -1,13 +1,14 @@
-/* CPU kernels for GGUF block weights (x86-64 with AVX2, FMA and F16C), built and loaded by
- * nanollmserve/native/build.py. Two things live here:
+/* CPU kernels for GGUF block weights (x86-64 with AVX2, FMA and F16C; the block products use
+ * AVX-512 VNNI where the build has it), built and loaded by nanollmserve/native/build.py.
+ * Two things live here:
  *
  * 1. Matrix products with weights kept in the GGUF file's own blocks of 32 (Q4_0, Q4_1, Q8_0),
- *    `y[M, out] = x[M, in] @ W^T`. Each activation row is quantized per block of 32 to int16
- *    with one float scale (and its exact float sum, for Q4_1's `m` term), so a block's dot
- *    product is two `madd`s of 16-bit integers; eight blocks are reduced together and scaled
- *    by their eight `d` constants in one multiply-add. (llama.cpp quantizes activations to
- *    int8, one `maddubs` a block: ~25% faster here, but on the bundled model it moved the
- *    next-token distribution 45x further from float32: KL 0.046 against 0.0010.)
+ *    `y[M, out] = x[M, in] @ W^T`, at every row count. Each activation row is quantized per
+ *    block of 32 to int16 with one float scale (and its exact float sum, for Q4_1's `m` term);
+ *    the weights are tiled 16 outputs at a time (layout below), decoded once per block for
+ *    all rows of the step, and a block's products are 16-bit multiply-adds with the outputs in
+ *    the vector lanes. (llama.cpp quantizes activations to int8: on the bundled model that
+ *    moved the next-token distribution 45x further from float32, KL 0.046 against 0.0010.)
  *
  * 2. `nls_decode_step`: the whole forward pass of a Llama-family decoder for one token of one
  *    sequence (a single-stream decode step), from token id to logits, in one call and one
@@ -15,77 +16,18 @@
  *    paged cache, attention over the sequence's blocks, the output projection, the gated MLP,
  *    the final norm and the output projection to the vocabulary. PyTorch runs the same step as
  *    ~1000 operator calls, whose dispatch alone costs more than the arithmetic at one token.
- *
- * Weight rows, as repacked once by model/gguf_blocks.py (byte sizes for `nb = in / 32` blocks):
- *   Q4 (kind 4): codes[nb * 16] | d f16[nb] | m f16[nb]   w = d * q + m, q in 0..15; a code
- *                byte holds input j of its block in the low nibble, j + 16 in the high one
- *                (Q4_0 is stored with m = -8 d).
- *   Q8 (kind 8): codes int8[nb * 32] | d f16[nb]           w = d * q
  */
 
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define QK 32
+#include <omp.h>
+
+#include "native.h"
+
 #define KIND_Q4 4
 #define KIND_Q8 8
 
-/* Statuses of the entry points besides 0: -1 is out of memory; the others are inputs that
- * would index outside their buffers, refused before anything is read or written (raised as
- * ValueError by the Python callers). The same numbers in sampling_cpu.c. */
-#define NLS_NO_MEMORY -1
-#define NLS_BAD_POSITION -2
-#define NLS_BAD_TOKEN -3
-#define NLS_BAD_BLOCK -4
-#define NLS_BAD_SHAPE -5
-#define MAX_HEAD_DIM 256
-
-/* ---------------------------------------------------------------- small vector helpers -- */
-
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    return _mm_cvtsi128_si32(s);
-}
-
-/* exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative
- * error ~2e-7, like Cephes' expf), 2^n through the exponent bits. */
-static inline __m256 exp256_ps(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline float dot_f32(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum_ps(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
 
 /* ------------------------------------------------------------ activation quantization -- */
 
@@ -119,191 +61,295 @@ static void quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, floa
     }
 }
 
-/* ------------------------------------------------------------------------ row products -- */
+/* ------------------------------------------------------------------ tiled block kernel -- */
 
-/* A block's 32 products summed in 8 int32 lanes (|sum| < 2^31: 4 products of at most
- * 127 * 32767 per lane). */
-static inline __m256i q4_block_dot(const uint8_t *codes, const int16_t *xq) {
+/* Weights are tiled by model/gguf_blocks.py: 16 outputs at a time, and for each tile its
+ * blocks of 32 inputs in order, each tile-block laid out so that one 32-byte load widens into
+ * the 16 outputs' weights for two inputs (the pairs a 16-bit multiply-add sums):
+ *   Q4 (320 bytes): codes[8][32] | d f16[16] | m f16[16]   byte 2o+i of group g holds output
+ *                   o's code for input 2g+i in its low nibble and for input 16+2g+i in its high
+ *                   one; w = d q + m (Q4_0 stored with m = -8 d).
+ *   Q8 (544 bytes): codes int8[16][32] | d f16[16]          byte 2o+i of pair p is output o's
+ *                   code for input 2p+i; w = d q.
+ * So a block's products for one activation row are 16 multiply-adds with the row's 16 input
+ * pairs broadcast, the 16 outputs in the lanes (no horizontal sums); the integer sums are
+ * scaled by d_w d_x and, for Q4, m_w times the row's block sum is added. A tile's weights are
+ * decoded once per block and reused for every row of the step. */
+#define TILE 16
+
+static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 : 544; }
+
+/* Accumulates one tile against rows [0, rows): acc[r][0..15] += scaled block sums (and, for
+ * Q4, acc[r][16..31] += the m terms). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64_t nb, int64_t in,
+                                   const int16_t *xq, const float *dx, const float *sx,
+                                   int64_t rows, float *acc) {
+    __m512i w[16];
+    if (kind == KIND_Q4) {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int g = 0; g < 8; g++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
+            w[g] = _mm512_cvtepu8_epi16(_mm256_and_si256(c, low));
+            w[g + 8] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low));
+        }
+    } else {
+        for (int p = 0; p < 16; p++)
+            w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * p)));
+    }
+    const int code_bytes = kind == KIND_Q4 ? 256 : 512;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes)));
+    const __m512 mw = kind == KIND_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes + 32)))
+                                      : _mm512_setzero_ps();
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+        const int32_t *x0 = (const int32_t *)(xq + r * in + b * QK), *x1 = (const int32_t *)(xq + (r + 1) * in + b * QK);
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+        for (int p = 0; p < 16; p += 2) {
+            a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(x0[p]));
+            a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(x0[p + 1]));
+            c0 = _mm512_dpwssd_epi32(c0, w[p], _mm512_set1_epi32(x1[p]));
+            c1 = _mm512_dpwssd_epi32(c1, w[p + 1], _mm512_set1_epi32(x1[p + 1]));
+        }
+        float *y0 = acc + 32 * r, *y1 = y0 + 32;
+        _mm512_storeu_ps(y0, _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])),
+                                             _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_loadu_ps(y0)));
+        _mm512_storeu_ps(y1, _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[(r + 1) * nb + b])),
+                                             _mm512_cvtepi32_ps(_mm512_add_epi32(c0, c1)), _mm512_loadu_ps(y1)));
+        if (kind == KIND_Q4) {
+            _mm512_storeu_ps(y0 + 16, _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), _mm512_loadu_ps(y0 + 16)));
+            _mm512_storeu_ps(y1 + 16, _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[(r + 1) * nb + b]), _mm512_loadu_ps(y1 + 16)));
+        }
+    }
+    for (; r < rows; r++) {
+        const int32_t *x0 = (const int32_t *)(xq + r * in + b * QK);
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        for (int p = 0; p < 16; p += 2) {
+            a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(x0[p]));
+            a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(x0[p + 1]));
+        }
+        float *y0 = acc + 32 * r;
+        _mm512_storeu_ps(y0, _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])),
+                                             _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_loadu_ps(y0)));
+        if (kind == KIND_Q4)
+            _mm512_storeu_ps(y0 + 16, _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), _mm512_loadu_ps(y0 + 16)));
+    }
+}
+#else
+static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64_t nb, int64_t in,
+                                   const int16_t *xq, const float *dx, const float *sx,
+                                   int64_t rows, float *acc) {
+    /* pair p: outputs 0..7 in wbuf[p][0], 8..15 in wbuf[p][1] */
+    __m256i wbuf[16][2];
+    if (kind == KIND_Q4) {
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int g = 0; g < 8; g++)
+            for (int h = 0; h < 2; h++) {
+                const __m128i c = _mm_loadu_si128((const __m128i *)(tb + 32 * g + 16 * h));
+                wbuf[g][h] = _mm256_cvtepu8_epi16(_mm_and_si128(c, low));
+                wbuf[g + 8][h] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), low));
+            }
+    } else {
+        for (int p = 0; p < 16; p++)
+            for (int h = 0; h < 2; h++)
+                wbuf[p][h] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tb + 32 * p + 16 * h)));
+    }
+    const int code_bytes = kind == KIND_Q4 ? 256 : 512;
+    const uint16_t *d = (const uint16_t *)(tb + code_bytes);
+    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8)));
+    __m256 mw0 = _mm256_setzero_ps(), mw1 = _mm256_setzero_ps();
+    if (kind == KIND_Q4) {
+        mw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 16)));
+        mw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 24)));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t *x0 = (const int32_t *)(xq + r * in + b * QK);
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+        for (int p = 0; p < 16; p += 2) {
+            const __m256i xa = _mm256_set1_epi32(x0[p]), xb = _mm256_set1_epi32(x0[p + 1]);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(wbuf[p][0], xa));
+            c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(wbuf[p][1], xa));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(wbuf[p + 1][0], xb));
+            c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(wbuf[p + 1][1], xb));
+        }
+        float *y = acc + 32 * r;
+        const __m256 sd = _mm256_set1_ps(dx[r * nb + b]);
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_mul_ps(dw0, sd), _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), _mm256_loadu_ps(y)));
+        _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_mul_ps(dw1, sd), _mm256_cvtepi32_ps(_mm256_add_epi32(c0, c1)), _mm256_loadu_ps(y + 8)));
+        if (kind == KIND_Q4) {
+            const __m256 ss = _mm256_set1_ps(sx[r * nb + b]);
+            _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(mw0, ss, _mm256_loadu_ps(y + 16)));
+            _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(mw1, ss, _mm256_loadu_ps(y + 24)));
+        }
+    }
+}
+#endif
+
+/* One tile against one activation row, the accumulators in registers (the single-stream
+ * step's case: no other row shares the decoded weights, so the block loop must not wait on
+ * memory): -> the tile's 16 sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __m512i q4_pairs(const uint8_t *tb, int g, int high) {
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    return _mm512_cvtepu8_epi16(_mm256_and_si256(high ? _mm256_srli_epi16(c, 4) : c, low));
+}
+
+static void tile_times_row(int kind, const uint8_t *tile, int64_t nb, const int16_t *xq,
+                           const float *dx, const float *sx, float *sums) {
+    const int64_t tb_bytes = tile_block_bytes(kind);
+    const int code_bytes = kind == KIND_Q4 ? 256 : 512;
+    __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes;
+        const int32_t *x = (const int32_t *)(xq + b * QK);
+        __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        if (kind == KIND_Q4) {
+            for (int g = 0; g < 8; g++) {
+                a[g & 1] = _mm512_dpwssd_epi32(a[g & 1], q4_pairs(tb, g, 0), _mm512_set1_epi32(x[g]));
+                a[2 + (g & 1)] = _mm512_dpwssd_epi32(a[2 + (g & 1)], q4_pairs(tb, g, 1), _mm512_set1_epi32(x[g + 8]));
+            }
+        } else {
+            for (int p = 0; p < 16; p++)
+                a[p & 3] = _mm512_dpwssd_epi32(
+                    a[p & 3], _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * p))),
+                    _mm512_set1_epi32(x[p]));
+        }
+        const __m512i s = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes)));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[b])), _mm512_cvtepi32_ps(s), acc);
+        if (kind == KIND_Q4)
+            macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes + 32))),
+                                   _mm512_set1_ps(sx[b]), macc);
+    }
+    _mm512_storeu_ps(sums, _mm512_add_ps(acc, macc));
+}
+#else
+static void tile_times_row(int kind, const uint8_t *tile, int64_t nb, const int16_t *xq,
+                           const float *dx, const float *sx, float *sums) {
+    const int64_t tb_bytes = tile_block_bytes(kind);
+    const int code_bytes = kind == KIND_Q4 ? 256 : 512;
     const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i q = _mm_loadu_si128((const __m128i *)codes);
-    __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));                    /* inputs 0..15 */
-    __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low)); /* 16..31 */
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq)),
-                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-}
-
-static inline __m256i q8_block_dot(const int8_t *codes, const int16_t *xq) {
-    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes));
-    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)));
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq)),
-                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-}
-
-/* Eight blocks' int32 partial sums (8 lanes each) -> one vector of their eight totals. */
-static inline __m256 reduce8(__m256i p0, __m256i p1, __m256i p2, __m256i p3,
-                             __m256i p4, __m256i p5, __m256i p6, __m256i p7) {
-    __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
-    __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p4, p5), _mm256_hadd_epi32(p6, p7));
-    __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
-                                 _mm256_permute2x128_si256(h0, h1, 0x31));
-    return _mm256_cvtepi32_ps(s);
-}
-
-static float q4_row_dot(const uint8_t *row, int64_t nb, const int16_t *xq, const float *dx, const float *sx) {
-    const uint16_t *d = (const uint16_t *)(row + nb * 16), *m = d + nb;
-    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        const uint8_t *c = row + b * 16;
-        const int16_t *x = xq + b * QK;
-        __m256 s = reduce8(q4_block_dot(c, x), q4_block_dot(c + 16, x + 32),
-                           q4_block_dot(c + 32, x + 64), q4_block_dot(c + 48, x + 96),
-                           q4_block_dot(c + 64, x + 128), q4_block_dot(c + 80, x + 160),
-                           q4_block_dot(c + 96, x + 192), q4_block_dot(c + 112, x + 224));
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
-        __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b)));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(dx + b)), s, acc);
-        macc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + b), macc);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes;
+        const int32_t *x = (const int32_t *)(xq + b * QK);
+        const uint16_t *d = (const uint16_t *)(tb + code_bytes);
+        for (int h = 0; h < 2; h++) {
+            __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+            if (kind == KIND_Q4) {
+                for (int g = 0; g < 8; g++) {
+                    const __m128i c = _mm_loadu_si128((const __m128i *)(tb + 32 * g + 16 * h));
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(c, low)),
+                                                                _mm256_set1_epi32(x[g])));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(
+                                                  _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), low)),
+                                                  _mm256_set1_epi32(x[g + 8])));
+                }
+            } else {
+                for (int p = 0; p < 16; p += 2) {
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tb + 32 * p + 16 * h))),
+                                                                _mm256_set1_epi32(x[p])));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tb + 32 * p + 32 + 16 * h))),
+                                                                _mm256_set1_epi32(x[p + 1])));
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8 * h)));
+            acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[b])),
+                                     _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), acc[h]);
+            if (kind == KIND_Q4)
+                macc[h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 16 + 8 * h))),
+                                          _mm256_set1_ps(sx[b]), macc[h]);
+        }
     }
-    float tail = 0.0f;
-    for (; b < nb; b++) {
-        int32_t s = hsum_epi32(q4_block_dot(row + b * 16, xq + b * QK));
-        tail += _cvtsh_ss(d[b]) * dx[b] * (float)s + _cvtsh_ss(m[b]) * sx[b];
+    _mm256_storeu_ps(sums, _mm256_add_ps(acc[0], macc[0]));
+    _mm256_storeu_ps(sums + 8, _mm256_add_ps(acc[1], macc[1]));
+}
+#endif
+
+/* Tile `t` of W against `rows` quantized activation rows -> y[r * ldy + t * 16 + j] for the
+ * tile's first `valid` outputs (+ bias when not NULL). `acc`: room for 32 floats a row. */
+static void tile_times_rows(int kind, const uint8_t *w, int64_t t, int64_t nb, int64_t in,
+                            const int16_t *xq, const float *dx, const float *sx, int64_t rows,
+                            float *acc, const float *bias, float *y, int64_t ldy, int valid) {
+    const int64_t tb_bytes = tile_block_bytes(kind);
+    const uint8_t *tile = w + t * nb * tb_bytes;
+    if (rows == 1) {
+        float sums[TILE];
+        tile_times_row(kind, tile, nb, xq, dx, sx, sums);
+        for (int j = 0; j < valid; j++) y[t * TILE + j] = sums[j] + (bias ? bias[t * TILE + j] : 0.0f);
+        return;
     }
-    return hsum_ps(_mm256_add_ps(acc, macc)) + tail;
+    memset(acc, 0, sizeof(float) * 32 * (size_t)rows);
+    for (int64_t b = 0; b < nb; b++)
+        tile_block_rows(kind, tile + b * tb_bytes, b, nb, in, xq, dx, sx, rows, acc);
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < valid; j++)
+            y[r * ldy + t * TILE + j] = acc[32 * r + j] + acc[32 * r + 16 + j] + (bias ? bias[t * TILE + j] : 0.0f);
 }
 
-static float q8_row_dot(const uint8_t *row, int64_t nb, const int16_t *xq, const float *dx) {
-    const int8_t *c = (const int8_t *)row;
-    const uint16_t *d = (const uint16_t *)(row + nb * QK);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        const int8_t *w = c + b * QK;
-        const int16_t *x = xq + b * QK;
-        __m256 s = reduce8(q8_block_dot(w, x), q8_block_dot(w + 32, x + 32),
-                           q8_block_dot(w + 64, x + 64), q8_block_dot(w + 96, x + 96),
-                           q8_block_dot(w + 128, x + 128), q8_block_dot(w + 160, x + 160),
-                           q8_block_dot(w + 192, x + 192), q8_block_dot(w + 224, x + 224));
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(dx + b)), s, acc);
-    }
-    float tail = 0.0f;
-    for (; b < nb; b++) tail += _cvtsh_ss(d[b]) * dx[b] * (float)hsum_epi32(q8_block_dot(c + b * QK, xq + b * QK));
-    return hsum_ps(acc) + tail;
-}
-
-static inline int64_t row_bytes(int kind, int64_t in) {
-    return kind == KIND_Q4 ? in / QK * 20 : in / QK * 34;
-}
-
-/* Rows [0, out) of y = W x for one quantized activation row, shared among the threads of the
+/* y[0, out) = W x for one quantized activation row, the tiles shared among the threads of the
  * enclosing parallel region (an orphaned work-sharing loop; it ends in a barrier). */
 static void matvec_shared(int kind, const uint8_t *w, int64_t out, int64_t in,
                           const int16_t *xq, const float *dx, const float *sx, float *y) {
-    const int64_t nb = in / QK, stride = row_bytes(kind, in);
+    const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
+    float acc[32];
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < out; o++)
-        y[o] = kind == KIND_Q4 ? q4_row_dot(w + o * stride, nb, xq, dx, sx)
-                               : q8_row_dot(w + o * stride, nb, xq, dx);
+    for (int64_t t = 0; t < tiles; t++) {
+        const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
+        tile_times_rows(kind, w, t, nb, in, xq, dx, sx, 1, acc, NULL, y, 0, valid);
+    }
 }
 
 /* ------------------------------------------------------------- public: matrix product -- */
 
-/* Several input rows against one weight row: each group of 8 blocks is decoded to int16 once
- * (into `wbuf`, zero past the row's last block) and multiplied with every input row, so the
- * unpacking is shared; per input row the group is reduced and scaled as in q4_row_dot.
- * `acc`: room for 16 floats per input row. The activation arrays must be readable 8 blocks
- * past the last row (the caller pads them; padded scales are 0). */
-static void row_times_inputs(int kind, const uint8_t *row, int64_t nb, int64_t in, const int16_t *xq,
-                             const float *dx, const float *sx, int64_t rows, float *acc, float *out) {
-    const int code_bytes = kind == KIND_Q4 ? 16 : QK;
-    const uint16_t *d = (const uint16_t *)(row + nb * code_bytes), *m = d + nb;
-    int16_t wbuf[8 * QK] __attribute__((aligned(32)));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
-    for (int64_t b = 0; b < nb; b += 8) {
-        const int count = nb - b < 8 ? (int)(nb - b) : 8;
-        for (int j = 0; j < 8; j++) {
-            __m256i w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
-            if (j < count && kind == KIND_Q4) {
-                __m128i q = _mm_loadu_si128((const __m128i *)(row + (b + j) * 16));
-                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
-                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
-            } else if (j < count) {
-                const int8_t *c = (const int8_t *)row + (b + j) * QK;
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
-            }
-            _mm256_store_si256((__m256i *)(wbuf + j * QK), w0);
-            _mm256_store_si256((__m256i *)(wbuf + j * QK + 16), w1);
-        }
-        uint16_t dp[8] = {0}, mp[8] = {0};
-        memcpy(dp, d + b, 2 * (size_t)count);
-        if (kind == KIND_Q4) memcpy(mp, m + b, 2 * (size_t)count);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dp));
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mp));
-        for (int64_t r = 0; r < rows; r++) {
-            const int16_t *x = xq + r * in + b * QK;
-            __m256i p[8];
-            for (int j = 0; j < 8; j++)
-                p[j] = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(wbuf + j * QK)),
-                                      _mm256_loadu_si256((const __m256i *)(x + j * QK))),
-                    _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(wbuf + j * QK + 16)),
-                                      _mm256_loadu_si256((const __m256i *)(x + j * QK + 16))));
-            const __m256 s = reduce8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
-            float *a = acc + 16 * r;
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * nb + b));
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(scale, s, _mm256_loadu_ps(a)));
-            if (kind == KIND_Q4)
-                _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + r * nb + b), _mm256_loadu_ps(a + 8)));
-        }
-    }
-    for (int64_t r = 0; r < rows; r++)
-        out[r] = hsum_ps(_mm256_add_ps(_mm256_loadu_ps(acc + 16 * r), _mm256_loadu_ps(acc + 16 * r + 8)));
+/* Bytes of the workspace `nls_gguf_matmul` needs for `rows` rows of `in` inputs on
+ * `num_threads` threads. */
+/* Each thread's accumulators start on their own cache line, past the shared activations:
+ * a line written by one thread and read by another bounces between cores on every block. */
+static inline int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
+
+static inline int64_t activation_bytes(int64_t in, int64_t rows) {
+    return round_up_64(rows * in * (int64_t)sizeof(int16_t) + 2 * rows * (in / QK) * (int64_t)sizeof(float));
 }
 
-/* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W in `kind` rows. Returns 0,
- * NLS_BAD_SHAPE when `in` is not a positive multiple of 32, a size is negative or `kind`
- * unknown, or NLS_NO_MEMORY. */
+static inline int64_t accumulator_bytes(int64_t rows) { return round_up_64(32 * rows * (int64_t)sizeof(float)) + 4096; }
+
+int64_t nls_gguf_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads) {
+    return 64 + activation_bytes(in, rows) + (int64_t)num_threads * accumulator_bytes(rows);
+}
+
+/* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W tiled as above (out rounded up to
+ * whole tiles). `workspace`: at least nls_gguf_matmul_workspace_bytes(in, rows, num_threads)
+ * bytes, reused across calls. Returns 0, or NLS_BAD_SHAPE when `in` is not a positive
+ * multiple of 32, a size is negative, `kind` unknown or the workspace too small. */
 int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
-                    const float *bias, float *y, int num_threads) {
-    if (in <= 0 || in % QK || out < 0 || rows < 0 || (kind != KIND_Q4 && kind != KIND_Q8))
+                    const float *bias, float *y, void *workspace, int64_t workspace_bytes,
+                    int num_threads) {
+    if (in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 || (kind != KIND_Q4 && kind != KIND_Q8) ||
+        workspace_bytes < nls_gguf_matmul_workspace_bytes(in, rows, num_threads))
         return NLS_BAD_SHAPE;
-    const int64_t nb = in / QK, stride = row_bytes(kind, in);
-    /* padded by 8 blocks: the multi-row kernel reads a whole group past the last block */
-    int16_t *xq = calloc((size_t)(rows * in + 8 * QK), sizeof(int16_t));
-    float *dx = calloc((size_t)(rows * nb + 8), sizeof(float)), *sx = calloc((size_t)(rows * nb + 8), sizeof(float));
-    if (!xq || !dx || !sx) {
-        free(xq), free(dx), free(sx);
-        return NLS_NO_MEMORY;
-    }
-    for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
-    int failed = 0;
+    const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
+    uint8_t *base = (uint8_t *)(((uintptr_t)workspace + 63) / 64 * 64);
+    int16_t *xq = (int16_t *)base;
+    float *dx = (float *)(xq + rows * in), *sx = dx + rows * nb;
+    uint8_t *accs = base + activation_bytes(in, rows);
 #pragma omp parallel num_threads(num_threads)
     {
-        float *acc = rows > 1 ? malloc(sizeof(float) * 16 * (size_t)rows) : NULL;
-        float *dots = rows > 1 ? malloc(sizeof(float) * (size_t)rows) : NULL;
-        if (rows > 1 && (!acc || !dots)) {
-#pragma omp atomic write
-            failed = 1;
-        }
 #pragma omp for schedule(static)
-        for (int64_t o = 0; o < out; o++) {
-            const uint8_t *wr = w + o * stride;
-            const float b = bias ? bias[o] : 0.0f;
-            if (rows == 1) {
-                y[o] = b + (kind == KIND_Q4 ? q4_row_dot(wr, nb, xq, dx, sx) : q8_row_dot(wr, nb, xq, dx));
-            } else if (acc && dots) {
-                row_times_inputs(kind, wr, nb, in, xq, dx, sx, rows, acc, dots);
-                for (int64_t r = 0; r < rows; r++) y[r * out + o] = b + dots[r];
-            }
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
+        float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * accumulator_bytes(rows));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
+            tile_times_rows(kind, w, t, nb, in, xq, dx, sx, rows, acc, bias, y, out, valid);
         }
-        free(acc), free(dots);
     }
-    free(xq), free(dx), free(sx);
-    return failed ? NLS_NO_MEMORY : 0;
+    return 0;
 }
 
 /* ---------------------------------------------------------- public: one decode step -- */
@@ -347,49 +393,10 @@ static void rope_head(float *x, const float *cos_sin, int head_dim) {
     }
 }
 
-/* One query head over a sequence's first `ctx` keys, read in place from the paged cache
- * ([blocks, block_size, kv_heads, head_dim]) through the sequence's block table: softmax of
- * the scaled dot products, then the weighted sum of the values. `scores`: room for ctx. */
-static void attend(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int hd,
-                   int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
-                   float *out) {
-    float max_score = -INFINITY;
-    for (int64_t t = 0; t < ctx; t++) {
-        const int64_t slot = block_table[t / bs] * bs + t % bs;
-        const float s = dot_f32(q, k_cache + (slot * kvh + g) * hd, hd) * scale;
-        scores[t] = s;
-        max_score = s > max_score ? s : max_score;
-    }
-    __m256 sum8 = _mm256_setzero_ps();
-    const __m256 mx = _mm256_set1_ps(max_score);
-    int64_t t = 0;
-    for (; t + 8 <= ctx; t += 8) {
-        __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx));
-        _mm256_storeu_ps(scores + t, e);
-        sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum_ps(sum8);
-    for (; t < ctx; t++) {
-        scores[t] = expf(scores[t] - max_score);
-        sum += scores[t];
-    }
-    float acc[256];
-    memset(acc, 0, sizeof(float) * (size_t)hd);
-    for (t = 0; t < ctx; t++) {
-        const int64_t slot = block_table[t / bs] * bs + t % bs;
-        const float *v = v_cache + (slot * kvh + g) * hd;
-        const __m256 p = _mm256_set1_ps(scores[t]);
-        for (int i = 0; i < hd; i += 8)
-            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-    }
-    const float inv = 1.0f / sum;
-    for (int i = 0; i < hd; i++) out[i] = acc[i] * inv;
-}
-
 static void attend_head(const nls_model *m, const nls_layer *L, int head, const float *q,
                         const int64_t *block_table, int64_t ctx, float *scores, float *out) {
     const int g = head / (m->num_heads / m->num_kv_heads);
-    attend(q, L->k_cache, L->v_cache, m->num_kv_heads, g, m->head_dim, m->block_size, m->attn_scale,
+    nls_attend(q, L->k_cache, L->v_cache, m->num_kv_heads, g, m->head_dim, m->block_size, m->attn_scale,
            block_table, ctx, scores, out);
 }
 
@@ -507,52 +514,4 @@ int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const i
 #pragma omp parallel num_threads(num_threads)
     matvec_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, out);
     return 0;
-}
-
-
-/* ------------------------------------------------ public: attention of decode tokens -- */
-
-/* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
- * sequence attending to its first context_lens[s] keys through its row of `block_tables`
- * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, head) is
- * one work item. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
- * cannot run, NLS_BAD_POSITION for a context length not in [1, table_width * block_size],
- * or NLS_BAD_BLOCK for a block id outside [0, num_blocks) (the caches' first dimension). */
-int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                               int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                               int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
-                               int64_t table_width, const int64_t *context_lens, float *out,
-                               int num_threads) {
-    if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
-        head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size <= 0 || table_width < 0)
-        return NLS_BAD_SHAPE;
-    int64_t longest = 1;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t ctx = context_lens[s];
-        if (ctx < 1 || ctx > table_width * block_size) return NLS_BAD_POSITION;
-        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
-            if (block_tables[s * table_width + b] < 0 || block_tables[s * table_width + b] >= num_blocks)
-                return NLS_BAD_BLOCK;
-        longest = ctx > longest ? ctx : longest;
-    }
-    const int group = num_heads / num_kv_heads;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)longest);
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t item = 0; item < num_seqs * num_heads; item++) {
-            const int64_t s = item / num_heads;
-            const int h = (int)(item % num_heads);
-            if (scores)
-                attend(q + item * head_dim, k_cache, v_cache, num_kv_heads, h / group, head_dim, block_size,
-                       scale, block_tables + s * table_width, context_lens[s], scores, out + item * head_dim);
-        }
-        free(scores);
-    }
-    return failed ? NLS_NO_MEMORY : 0;
 }

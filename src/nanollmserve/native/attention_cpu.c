@@ -1,0 +1,95 @@
+/* Attention over the paged KV cache on the CPU (float32 K/V laid out
+ * [blocks, block_size, kv_heads, head_dim]), read in place through block tables: one query
+ * head at a time (`nls_attend`, also used by the single-stream decode step in gguf_cpu.c) and
+ * the decode tokens of a batched step (`nls_paged_decode_attention`). */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+/* One query head over a sequence's first `ctx` keys, read in place from the paged cache
+ * ([blocks, block_size, kv_heads, head_dim]) through the sequence's block table: softmax of
+ * the scaled dot products, then the weighted sum of the values. `scores`: room for ctx. */
+void nls_attend(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int hd,
+                int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
+                float *out) {
+    float max_score = -INFINITY;
+    for (int64_t t = 0; t < ctx; t++) {
+        const int64_t slot = block_table[t / bs] * bs + t % bs;
+        const float s = dot_f32(q, k_cache + (slot * kvh + g) * hd, hd) * scale;
+        scores[t] = s;
+        max_score = s > max_score ? s : max_score;
+    }
+    __m256 sum8 = _mm256_setzero_ps();
+    const __m256 mx = _mm256_set1_ps(max_score);
+    int64_t t = 0;
+    for (; t + 8 <= ctx; t += 8) {
+        __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx));
+        _mm256_storeu_ps(scores + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum_ps(sum8);
+    for (; t < ctx; t++) {
+        scores[t] = expf(scores[t] - max_score);
+        sum += scores[t];
+    }
+    float acc[256];
+    memset(acc, 0, sizeof(float) * (size_t)hd);
+    for (t = 0; t < ctx; t++) {
+        const int64_t slot = block_table[t / bs] * bs + t % bs;
+        const float *v = v_cache + (slot * kvh + g) * hd;
+        const __m256 p = _mm256_set1_ps(scores[t]);
+        for (int i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < hd; i++) out[i] = acc[i] * inv;
+}
+
+/* ------------------------------------------------ public: attention of decode tokens -- */
+
+/* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
+ * sequence attending to its first context_lens[s] keys through its row of `block_tables`
+ * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, head) is
+ * one work item. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
+ * cannot run, NLS_BAD_POSITION for a context length not in [1, table_width * block_size],
+ * or NLS_BAD_BLOCK for a block id outside [0, num_blocks) (the caches' first dimension). */
+int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                               int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                               int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float *out,
+                               int num_threads) {
+    if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
+        head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size <= 0 || table_width < 0)
+        return NLS_BAD_SHAPE;
+    int64_t longest = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t ctx = context_lens[s];
+        if (ctx < 1 || ctx > table_width * block_size) return NLS_BAD_POSITION;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
+            if (block_tables[s * table_width + b] < 0 || block_tables[s * table_width + b] >= num_blocks)
+                return NLS_BAD_BLOCK;
+        longest = ctx > longest ? ctx : longest;
+    }
+    const int group = num_heads / num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)longest);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < num_seqs * num_heads; item++) {
+            const int64_t s = item / num_heads;
+            const int h = (int)(item % num_heads);
+            if (scores)
+                nls_attend(q + item * head_dim, k_cache, v_cache, num_kv_heads, h / group, head_dim, block_size,
+                       scale, block_tables + s * table_width, context_lens[s], scores, out + item * head_dim);
+        }
+        free(scores);
+    }
+    return failed ? NLS_NO_MEMORY : 0;
+}

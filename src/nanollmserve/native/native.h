@@ -1,0 +1,72 @@
+/* Shared by the native CPU sources (built by nanollmserve/native/build.py): the status codes
+ * of the entry points, small AVX2 vector helpers, and the attention of one query head over a
+ * sequence's paged K/V (attention_cpu.c), which the decode step calls too. */
+#ifndef NLS_NATIVE_H
+#define NLS_NATIVE_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define QK 32
+
+/* Statuses of the entry points besides 0: -1 is out of memory; the others are inputs that
+ * would index outside their buffers, refused before anything is read or written (raised as
+ * ValueError by the Python callers). The same numbers in sampling_cpu.c. */
+#define NLS_NO_MEMORY -1
+#define NLS_BAD_POSITION -2
+#define NLS_BAD_TOKEN -3
+#define NLS_BAD_BLOCK -4
+#define NLS_BAD_SHAPE -5
+#define MAX_HEAD_DIM 256
+
+/* ---------------------------------------------------------------- small vector helpers -- */
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    return _mm_cvtsi128_si32(s);
+}
+
+/* exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative
+ * error ~2e-7, like Cephes' expf), 2^n through the exponent bits. */
+static inline __m256 exp256_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum_ps(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+
+void nls_attend(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int hd,
+                int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
+                float *out);
+
+#endif
