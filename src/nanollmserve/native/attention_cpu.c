@@ -1,6 +1,7 @@
 /* Attention over the paged KV cache on the CPU (float32 K/V laid out
  * [blocks, block_size, kv_heads, head_dim]), read in place through block tables: one query
- * head at a time (`nls_attend`, also used by the single-stream decode step in gguf_cpu.c) and
+ * KV head's group of query heads at a time (`nls_attend_group`, also used by the single-stream
+ * decode step in gguf_cpu.c) and
  * the decode tokens of a batched step (`nls_paged_decode_attention`). */
 
 #include <stdlib.h>
@@ -8,51 +9,73 @@
 
 #include "native.h"
 
-/* One query head over a sequence's first `ctx` keys, read in place from the paged cache
- * ([blocks, block_size, kv_heads, head_dim]) through the sequence's block table: softmax of
- * the scaled dot products, then the weighted sum of the values. `scores`: room for ctx. */
-void nls_attend(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int hd,
-                int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
-                float *out) {
-    float max_score = -INFINITY;
-    for (int64_t t = 0; t < ctx; t++) {
-        const int64_t slot = block_table[t / bs] * bs + t % bs;
-        const float s = dot_f32(q, k_cache + (slot * kvh + g) * hd, hd) * scale;
-        scores[t] = s;
-        max_score = s > max_score ? s : max_score;
+/* The `group` query heads that share KV head `g` (grouped-query attention: their queries and
+ * outputs are `group` consecutive heads of `hd` floats) over a sequence's first `ctx` keys,
+ * read in place from the paged cache ([blocks, block_size, kv_heads, head_dim]) through the
+ * sequence's block table: softmax of the scaled dot products, then the weighted sum of the
+ * values. Each key and value row is read once for all the group's heads (up to 8 at a time).
+ * `scores`: room for group * ctx floats. */
+#define ATTEND_HEADS 8
+
+void nls_attend_group(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int group,
+                      int hd, int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
+                      float *out) {
+    for (int j0 = 0; j0 < group; j0 += ATTEND_HEADS) {
+        const int heads = group - j0 < ATTEND_HEADS ? group - j0 : ATTEND_HEADS;
+        const float *qg = q + (int64_t)j0 * hd;
+        float max_score[ATTEND_HEADS], sum[ATTEND_HEADS];
+        for (int j = 0; j < heads; j++) max_score[j] = -INFINITY;
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t slot = block_table[t / bs] * bs + t % bs;
+            const float *k = k_cache + (slot * kvh + g) * hd;
+            for (int j = 0; j < heads; j++) {
+                const float s = dot_f32(qg + (int64_t)j * hd, k, hd) * scale;
+                scores[j * ctx + t] = s;
+                max_score[j] = s > max_score[j] ? s : max_score[j];
+            }
+        }
+        for (int j = 0; j < heads; j++) {
+            float *row = scores + j * ctx;
+            __m256 sum8 = _mm256_setzero_ps();
+            const __m256 mx = _mm256_set1_ps(max_score[j]);
+            int64_t t = 0;
+            for (; t + 8 <= ctx; t += 8) {
+                __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), mx));
+                _mm256_storeu_ps(row + t, e);
+                sum8 = _mm256_add_ps(sum8, e);
+            }
+            sum[j] = hsum_ps(sum8);
+            for (; t < ctx; t++) {
+                row[t] = expf(row[t] - max_score[j]);
+                sum[j] += row[t];
+            }
+        }
+        float acc[ATTEND_HEADS][MAX_HEAD_DIM];
+        for (int j = 0; j < heads; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t slot = block_table[t / bs] * bs + t % bs;
+            const float *v = v_cache + (slot * kvh + g) * hd;
+            for (int i = 0; i < hd; i += 8) {
+                const __m256 vi = _mm256_loadu_ps(v + i);
+                for (int j = 0; j < heads; j++)
+                    _mm256_storeu_ps(acc[j] + i, _mm256_fmadd_ps(_mm256_set1_ps(scores[j * ctx + t]), vi,
+                                                                 _mm256_loadu_ps(acc[j] + i)));
+            }
+        }
+        for (int j = 0; j < heads; j++) {
+            const float inv = 1.0f / sum[j];
+            float *o = out + (int64_t)(j0 + j) * hd;
+            for (int i = 0; i < hd; i++) o[i] = acc[j][i] * inv;
+        }
     }
-    __m256 sum8 = _mm256_setzero_ps();
-    const __m256 mx = _mm256_set1_ps(max_score);
-    int64_t t = 0;
-    for (; t + 8 <= ctx; t += 8) {
-        __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx));
-        _mm256_storeu_ps(scores + t, e);
-        sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum_ps(sum8);
-    for (; t < ctx; t++) {
-        scores[t] = expf(scores[t] - max_score);
-        sum += scores[t];
-    }
-    float acc[256];
-    memset(acc, 0, sizeof(float) * (size_t)hd);
-    for (t = 0; t < ctx; t++) {
-        const int64_t slot = block_table[t / bs] * bs + t % bs;
-        const float *v = v_cache + (slot * kvh + g) * hd;
-        const __m256 p = _mm256_set1_ps(scores[t]);
-        for (int i = 0; i < hd; i += 8)
-            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-    }
-    const float inv = 1.0f / sum;
-    for (int i = 0; i < hd; i++) out[i] = acc[i] * inv;
 }
 
 /* ------------------------------------------------ public: attention of decode tokens -- */
 
 /* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
  * sequence attending to its first context_lens[s] keys through its row of `block_tables`
- * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, head) is
- * one work item. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
+ * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, KV head)
+ * is one work item, its query heads attended together. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
  * cannot run, NLS_BAD_POSITION for a context length not in [1, table_width * block_size],
  * or NLS_BAD_BLOCK for a block id outside [0, num_blocks) (the caches' first dimension). */
 int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -76,18 +99,19 @@ int nls_paged_decode_attention(const float *q, const float *k_cache, const float
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)longest);
+        float *scores = malloc(sizeof(float) * (size_t)longest * (size_t)group);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 4)
-        for (int64_t item = 0; item < num_seqs * num_heads; item++) {
-            const int64_t s = item / num_heads;
-            const int h = (int)(item % num_heads);
+        for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+            const int64_t s = item / num_kv_heads;
+            const int g = (int)(item % num_kv_heads);
+            const int64_t first = (s * num_heads + (int64_t)g * group) * head_dim;
             if (scores)
-                nls_attend(q + item * head_dim, k_cache, v_cache, num_kv_heads, h / group, head_dim, block_size,
-                       scale, block_tables + s * table_width, context_lens[s], scores, out + item * head_dim);
+                nls_attend_group(q + first, k_cache, v_cache, num_kv_heads, g, group, head_dim, block_size, scale,
+                                 block_tables + s * table_width, context_lens[s], scores, out + first);
         }
         free(scores);
     }

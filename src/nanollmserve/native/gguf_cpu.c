@@ -393,13 +393,6 @@ static void rope_head(float *x, const float *cos_sin, int head_dim) {
     }
 }
 
-static void attend_head(const nls_model *m, const nls_layer *L, int head, const float *q,
-                        const int64_t *block_table, int64_t ctx, float *scores, float *out) {
-    const int g = head / (m->num_heads / m->num_kv_heads);
-    nls_attend(q, L->k_cache, L->v_cache, m->num_kv_heads, g, m->head_dim, m->block_size, m->attn_scale,
-           block_table, ctx, scores, out);
-}
-
 static void silu_and_mul(const float *gate_up, int n, float *out) {
     int i = 0;
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
@@ -482,10 +475,12 @@ int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const i
             memcpy(L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
             memcpy(L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
         }
+        const int group = nh / kvh;
 #pragma omp for schedule(static)
-        for (int head = 0; head < nh; head++)
-            attend_head(m, L, head, qkv + head * hd, block_table, ctx, scores + head * m->max_context,
-                        attn + head * hd);
+        for (int g = 0; g < kvh; g++)
+            nls_attend_group(qkv + (int64_t)g * group * hd, L->k_cache, L->v_cache, kvh, g, group, hd,
+                             m->block_size, m->attn_scale, block_table, ctx,
+                             scores + (int64_t)g * group * m->max_context, attn + (int64_t)g * group * hd);
 #pragma omp single
         quantize_row(attn, q_size, xq, dx, sx);
         matvec_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, proj);

@@ -65,8 +65,8 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 }
 
 
-void nls_attend(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int hd,
-                int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
-                float *out);
+void nls_attend_group(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int group,
+                      int hd, int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
+                      float *out);
 
 #endif
