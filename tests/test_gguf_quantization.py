@@ -91,6 +91,47 @@ def test_the_avx2_build_computes_what_the_widest_build_does(monkeypatch):
         assert (y - expected).abs().max() / expected.abs().max() < 2e-4
 
 
+def _raw_matmul(library, tiles, x, out, kind):
+    import ctypes
+
+    rows, cols = x.shape
+    library.nls_gguf_matmul_workspace_bytes.restype = ctypes.c_int64
+    size = library.nls_gguf_matmul_workspace_bytes(ctypes.c_int64(cols), ctypes.c_int64(rows), 2)
+    workspace = torch.empty(size, dtype=torch.uint8)
+    y = torch.empty(rows, out)
+    status = library.nls_gguf_matmul(
+        kind, ctypes.c_void_p(tiles.data_ptr()), ctypes.c_int64(out), ctypes.c_int64(cols),
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(rows), None, ctypes.c_void_p(y.data_ptr()),
+        ctypes.c_void_p(workspace.data_ptr()), ctypes.c_int64(size), 2,
+    )  # fmt: skip
+    assert status == 0
+    return y
+
+
+@pytest.mark.parametrize("kind", [KIND_Q4, KIND_Q8])
+def test_the_amx_kernel_gives_the_vector_kernels_numbers_bit_for_bit(kind):
+    """On a CPU with AMX, steps of 8+ rows run on int8 tiles (each int16 activation split into
+    a high and a low byte): the integer block sums are the same, and so are the floats made of
+    them, so a request's tokens do not depend on which kernel its step ran."""
+    import ctypes
+
+    from nanollmserve.native.build import ISA_LEVELS, _cpu_flags, build_library
+
+    if not set(ISA_LEVELS["amx"][1]) <= set(_cpu_flags()):
+        pytest.skip("this CPU has no AMX int8")
+    amx = ctypes.CDLL(str(build_library("amx")))
+    if amx.nls_amx_init() != 0:
+        pytest.skip("the kernel does not grant AMX tile state")
+    vector = ctypes.CDLL(str(build_library("avx512")))
+    for out, cols, rows in [(37, 64, 8), (96, 352, 17), (48, 1536, 40)]:
+        tiles = random_block_rows(out, cols, kind).tiled()
+        x = torch.randn(rows, cols)
+        x[0, 3] = -50.0
+        assert torch.equal(
+            _raw_matmul(amx, tiles, x, out, kind), _raw_matmul(vector, tiles, x, out, kind)
+        )
+
+
 def test_an_isa_level_the_cpu_lacks_is_refused(monkeypatch):
     from nanollmserve.native.build import ISA_ENV, NativeUnavailable, isa_level
 

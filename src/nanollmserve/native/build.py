@@ -37,7 +37,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("gguf_cpu.c", "attention_cpu.c", "sampling_cpu.c")
+    Path(__file__).with_name(name)
+    for name in ("gguf_cpu.c", "amx_cpu.c", "attention_cpu.c", "sampling_cpu.c")
 )
 HEADERS = (Path(__file__).with_name("native.h"),)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -48,10 +49,17 @@ ISA_LEVELS = {
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
     ),
-}
+    "amx": (
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mamx-tile",
+         "-mamx-int8"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile", "amx_int8"),
+    ),
+}  # fmt: skip
 """ISA level -> (extra compiler flags, the /proc/cpuinfo flags a CPU needs to run that build).
 The same sources are built once per level; the block matmul picks its inner loop with
-`#ifdef __AVX512VNNI__`. `avx2` is the fallback every supported CPU runs."""
+`#ifdef __AVX512VNNI__`, and the `amx` build runs steps of 8 rows or more on AMX int8 tiles
+(native/amx_cpu.c; the same numbers as the vector kernel). `avx2` is the fallback every
+supported CPU runs."""
 ISA_ENV = "NANOLLMSERVE_CPU_ISA"
 """Forces an ISA level (`avx2` on an AVX-512 CPU, to measure the AVX2 build there)."""
 
@@ -167,12 +175,23 @@ def kernels_unavailable_reason() -> str | None:
     return _load()[1]
 
 
+def _open_library() -> ctypes.CDLL:
+    """The library of this CPU's ISA level; for `amx`, only once the kernel has granted this
+    process the AMX tile state (Linux asks for it per process), else the `avx512` one."""
+    level = isa_level()
+    library = ctypes.CDLL(str(build_library(level)))
+    if level == "amx" and library.nls_amx_init() != 0:
+        logger.warning("the kernel refused AMX tile state to this process: using the avx512 build")
+        library = ctypes.CDLL(str(build_library("avx512")))
+    return library
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     import torch  # noqa: F401  (first: its OpenMP runtime is the one the library binds to)
 
     try:
-        library = ctypes.CDLL(str(build_library()))
+        library = _open_library()
     except (NativeUnavailable, OSError) as error:
         logger.warning("native GGUF kernels unavailable: %s", error)
         return None, str(error)

@@ -25,8 +25,6 @@
 
 #include "native.h"
 
-#define KIND_Q4 4
-#define KIND_Q8 8
 
 
 /* ------------------------------------------------------------ activation quantization -- */
@@ -75,9 +73,6 @@ static void quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, floa
  * pairs broadcast, the 16 outputs in the lanes (no horizontal sums); the integer sums are
  * scaled by d_w d_x and, for Q4, m_w times the row's block sum is added. A tile's weights are
  * decoded once per block and reused for every row of the step. */
-#define TILE 16
-
-static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 : 544; }
 
 /* Accumulates one tile against rows [0, rows): acc[r][0..15] += scaled block sums (and, for
  * Q4, acc[r][16..31] += the m terms). */
@@ -320,7 +315,11 @@ static inline int64_t activation_bytes(int64_t in, int64_t rows) {
 static inline int64_t accumulator_bytes(int64_t rows) { return round_up_64(32 * rows * (int64_t)sizeof(float)) + 4096; }
 
 int64_t nls_gguf_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads) {
-    return 64 + activation_bytes(in, rows) + (int64_t)num_threads * accumulator_bytes(rows);
+    int64_t bytes = 64 + activation_bytes(in, rows) + (int64_t)num_threads * accumulator_bytes(rows);
+#if NLS_HAS_AMX
+    if (rows >= AMX_MIN_ROWS) bytes += nls_amx_workspace_bytes(in, rows, num_threads);
+#endif
+    return bytes;
 }
 
 /* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W tiled as above (out rounded up to
@@ -342,12 +341,22 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
+#if NLS_HAS_AMX
+        if (rows >= AMX_MIN_ROWS) {
+            uint8_t *amx_work = accs + (int64_t)num_threads * accumulator_bytes(rows);
+            nls_amx_matmul_shared(kind, w, out, in, xq, dx, sx, rows, bias, y, amx_work);
+            goto done;
+        }
+#endif
         float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * accumulator_bytes(rows));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
             tile_times_rows(kind, w, t, nb, in, xq, dx, sx, rows, acc, bias, y, out, valid);
         }
+#if NLS_HAS_AMX
+    done:;
+#endif
     }
     return 0;
 }

@@ -9,6 +9,23 @@
 #include <stdint.h>
 
 #define QK 32
+#define KIND_Q4 4
+#define KIND_Q8 8
+#define TILE 16 /* outputs per tile of the block kernels' weight layout (gguf_cpu.c) */
+
+static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 : 544; }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define NLS_HAS_AMX 1
+#define AMX_MIN_ROWS 8 /* fewer rows run the vector kernel (measured crossover) */
+int nls_amx_init(void);
+int64_t nls_amx_workspace_bytes(int64_t in, int64_t rows, int num_threads);
+void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                           const float *dx, const float *sx, int64_t rows, const float *bias, float *y,
+                           uint8_t *work);
+#else
+#define NLS_HAS_AMX 0
+#endif
 
 /* Statuses of the entry points besides 0: -1 is out of memory; the others are inputs that
  * would index outside their buffers, refused before anything is read or written (raised as
