@@ -104,23 +104,23 @@ CELLS: dict[tuple[str, str], Cell] = {
         "tests/test_quantization.py::test_cli_rejects_an_unknown_quantization_in_one_line",
         note="Alternatives, not a pair: `--quantization` takes one method.",
     ),
-    ("gguf", "lora"): refused(
-        "LoRA adapters with --quantization are not supported yet",
-        REFUSALS + "test_lora_on_the_gguf_blocks_is_refused",
-        note="Without `--quantization`, `--enable-lora` loads a GGUF model's dequantized "
-        "weights instead of its blocks.",
+    ("gguf", "lora"): works(
+        "tests/test_lora.py::test_adapter_on_the_gguf_blocks_matches_peft_merged_model",
+        note="The adapter's delta is added in float32 beside each block matmul.",
     ),
     ("gguf", "spec"): works(
         Q_SPEC.format("gguf"),
-        note="Works, but slower than no speculation on this path today (issue 23).",
+        note="Verify steps run as one native call: copy 1.25x, greedy random text 1.73x "
+        "the speed without speculation (docs/features/speculative-decoding.md).",
     ),
     ("gguf", "structured"): works(Q_GRPC.format("gguf"), Q_ROUTER.format("gguf")),
     ("gguf", "grpc"): works(Q_GRPC.format("gguf")),
     ("gguf", "router"): works(Q_ROUTER.format("gguf")),
     ("gguf", "cuda"): not_run(CPU_ONLY.format("gguf")),
     ("int8", "lora"): refused(
-        "LoRA adapters with --quantization are not supported yet",
+        "LoRA adapters with --quantization int8 are not supported",
         "tests/test_lora.py::test_lora_needs_enable_lora_and_no_quantization",
+        REFUSALS + "test_lora_on_int8_weights_is_refused",
     ),
     ("int8", "spec"): works(Q_SPEC.format("int8")),
     ("int8", "structured"): works(Q_GRPC.format("int8"), Q_ROUTER.format("int8")),

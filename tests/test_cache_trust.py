@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_model_loading import write_tiny_gguf
 
-from nanollmserve.model import resolve_model
+from nanollmserve.model import ModelConfig, load_model, resolve_model
 from nanollmserve.model.gguf_cache import gguf_cache_key
 from nanollmserve.model.private_cache import UntrustedCacheError
 from nanollmserve.native.build import cpu_supports_kernels
@@ -57,9 +58,9 @@ def run_python(code: str, cache: Path, umask: int = 0o022, **env: str) -> str:
 def test_a_fresh_cache_is_private_even_with_a_loose_umask(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code = (
-        "from nanollmserve.native.build import library_path, load_kernels\n"
+        "from nanollmserve.native.build import library_path, load_kernels, isa_level\n"
         "assert load_kernels() is not None\n"
-        "print(library_path())\n"
+        "print(library_path(isa_level()))\n"
     )
     library = Path(run_python(code, cache, umask=0o002).strip())
     assert library.is_file() and library.is_relative_to(cache)
@@ -73,7 +74,9 @@ def test_a_library_another_user_could_write_is_never_loaded(tmp_path: Path) -> N
     cache, marker = tmp_path / "cache", tmp_path / "planted-library-ran"
     library = Path(
         run_python(
-            "from nanollmserve.native.build import library_path\nprint(library_path())", cache
+            "from nanollmserve.native.build import library_path, isa_level\n"
+            "print(library_path(isa_level()))",
+            cache,
         ).strip()
     )
     os.makedirs(library.parent, mode=0o700)
@@ -119,7 +122,10 @@ def test_gguf_entries_are_private_and_untrusted_ones_refused(
     assert all(mode(path) & 0o077 == 0 for path in entry.rglob("*"))
     assert resolve_model(str(tmp_path / "tiny.gguf")).path == entry  # trusted: reused
 
+    # The dense weights are added to the entry by the first load that needs them.
+    load_model(entry, ModelConfig.from_pretrained(entry), torch.float32, torch.device("cpu"))
     weights = entry / "model.safetensors"
+    assert mode(weights) & 0o077 == 0
     for path, loose in ((entry, 0o777), (weights, 0o666), (cache / "gguf", 0o770)):
         os.chmod(path, loose)
         with pytest.raises(UntrustedCacheError, match="writable by group or others"):

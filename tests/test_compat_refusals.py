@@ -15,9 +15,9 @@ from nanollmserve.errors import UserError
 pytestmark = pytest.mark.milestone("m00")
 
 
-def test_lora_on_the_gguf_blocks_is_refused():
-    with pytest.raises(UserError, match="LoRA adapters with --quantization are not supported"):
-        EngineConfig(enable_lora=True, quantization="gguf")
+def test_lora_on_int8_weights_is_refused():
+    with pytest.raises(UserError, match="LoRA adapters with --quantization int8 are not supported"):
+        EngineConfig(enable_lora=True, quantization="int8")
 
 
 def test_the_router_has_no_grpc_port():

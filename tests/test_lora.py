@@ -98,6 +98,25 @@ def test_unservable_adapters_fail_at_load(lora_llm, tmp_path):
     assert set(lora_llm.engine.lora_manager.adapters()) <= {"a", "b", "c"}  # none was added
 
 
+@pytest.mark.milestone("m22")
+def test_adapter_on_the_gguf_blocks_matches_peft_merged_model():
+    """With `--enable-lora` a GGUF model keeps its blocks: each projection multiplies with its
+    blocks in the native kernel and adds the adapter's delta in float32, and the answers are
+    PEFT's on the float32 model merged with the same adapter."""
+    from nanollmserve import LLM
+    from nanollmserve.layers.gguf_linear import GGUFLinear
+
+    llm = LLM(num_kv_blocks=256, enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert llm.engine.loaded.quantization == "gguf"
+    model = llm.engine.model_runner.model
+    assert any(isinstance(m, GGUFLinear) for m in model.modules())
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ours = token_ids(llm.generate(ids, params, use_tqdm=False, lora_request=lora("a", 1, 1)))
+    assert ours == peft_greedy(adapter_dir(1), ids, params.max_tokens)
+    assert ours != token_ids(llm.generate(ids, params, use_tqdm=False))
+
+
 def test_lora_needs_enable_lora_and_no_quantization(llm):
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(PROMPTS[0], lora_request=lora("a", 1, 1), use_tqdm=False)

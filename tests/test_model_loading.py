@@ -71,17 +71,29 @@ def save_tiny_llama(out_dir: Path, **overrides) -> Path:
     return out_dir
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A 2-layer random-weight llama GGUF with a small byte-level BPE tokenizer (~100 KB)."""
+def write_tiny_gguf(
+    path: Path,
+    seed: int = 0,
+    architecture: str = "llama",
+    block_type: str | None = None,
+    tied: bool = True,
+    name: str = "tiny",
+) -> Path:
+    """A 2-layer random-weight GGUF with a small byte-level BPE tokenizer (~100 KB): float32
+    tensors, or the linear weights in `block_type` blocks (`Q8_0`, `Q4_0`, ...); `qwen2` gets
+    q/k/v biases and `qwen3` q/k norms, as those models have; `tied=False` adds an output
+    projection. llama.cpp writes Mistral as `llama` named "mistral"."""
     import gguf
 
     rng = np.random.default_rng(seed)
     hidden, inter, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, 128
+    # transformers reads no head size from a qwen3 file: it takes Qwen3's 128
+    head_dim = 128 if architecture == "qwen3" else hidden // heads
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
     tokens += ["Ġ", "Ġt", "he"]
     tokens += [f"<extra_{i}>" for i in range(vocab - len(tokens))]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_name(name)
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -91,7 +103,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_dimension_count(head_dim)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -104,21 +116,35 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
 
-    def tensor(name: str, *shape: int, scale: float = 0.2) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+    def tensor(name: str, *shape: int, scale: float = 0.2, linear: bool = False) -> None:
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if linear and block_type is not None:
+            kind = gguf.GGMLQuantizationType[block_type]
+            w.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, values)
 
     tensor("token_embd.weight", vocab, hidden, scale=1.0)
     for i in range(layers):
         tensor(f"blk.{i}.attn_norm.weight", hidden)
         tensor(f"blk.{i}.ffn_norm.weight", hidden)
-        tensor(f"blk.{i}.attn_q.weight", hidden, hidden)
-        tensor(f"blk.{i}.attn_k.weight", kv_heads * hidden // heads, hidden)
-        tensor(f"blk.{i}.attn_v.weight", kv_heads * hidden // heads, hidden)
-        tensor(f"blk.{i}.attn_output.weight", hidden, hidden)
-        tensor(f"blk.{i}.ffn_gate.weight", inter, hidden)
-        tensor(f"blk.{i}.ffn_up.weight", inter, hidden)
-        tensor(f"blk.{i}.ffn_down.weight", hidden, inter)
+        tensor(f"blk.{i}.attn_q.weight", heads * head_dim, hidden, linear=True)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, linear=True)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, linear=True)
+        tensor(f"blk.{i}.attn_output.weight", hidden, heads * head_dim, linear=True)
+        tensor(f"blk.{i}.ffn_gate.weight", inter, hidden, linear=True)
+        tensor(f"blk.{i}.ffn_up.weight", inter, hidden, linear=True)
+        tensor(f"blk.{i}.ffn_down.weight", hidden, inter, linear=True)
+        if architecture == "qwen2":
+            tensor(f"blk.{i}.attn_q.bias", heads * head_dim)
+            tensor(f"blk.{i}.attn_k.bias", kv_heads * head_dim)
+            tensor(f"blk.{i}.attn_v.bias", kv_heads * head_dim)
+        if architecture == "qwen3":
+            tensor(f"blk.{i}.attn_q_norm.weight", head_dim)
+            tensor(f"blk.{i}.attn_k_norm.weight", head_dim)
     tensor("output_norm.weight", hidden)
+    if not tied:
+        tensor("output.weight", vocab, hidden, linear=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -171,7 +197,7 @@ def test_bundled_model_loads(bundled_source) -> None:
     assert bundled_source.kind == "bundled"
     assert bundled_source.name == "SmolLM2-135M-Instruct"
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in bundled_source.description
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
         assert (bundled_source.path / name).is_file()
     tokenizer = AutoTokenizer.from_pretrained(bundled_source.path)
     text = "Paged attention, explained in one line."
@@ -185,6 +211,7 @@ def test_bundled_model_loads(bundled_source) -> None:
     assert config.eos_token_ids == (2,)
     assert config.kv_bytes_per_token(torch.float32) == 2 * 30 * 3 * 64 * 4
     model = load_model(bundled_source.path, config, torch.float32, CPU)
+    assert (bundled_source.path / "model.safetensors").is_file()  # converted for this load
     assert count_parameters(model) == BUNDLED_NUM_PARAMS
     assert not model.training
     assert all(p.device == CPU and p.dtype == torch.float32 for p in model.parameters())
@@ -210,8 +237,9 @@ def test_gguf_path_is_converted_once_into_cache(
     assert first.kind == "gguf" and first.converted and first.name == "tiny"
     assert convert_calls == [gguf_path]
     assert first.path.parent == entries
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (first.path / name).is_file()
+    assert not (first.path / "model.safetensors").exists()  # converted when a load needs it
     assert not stale.exists()  # cleaned
     assert fresh.exists()  # may be in progress: left alone
     assert sorted(p.name for p in entries.iterdir()) == sorted([first.path.name, fresh.name])

@@ -182,38 +182,50 @@ def test_a_request_whose_sampling_fails_fails_alone_offline(make_llm, monkeypatc
 def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     """Through the Python wrappers (a ValueError before any native code runs) and, for the
     C's own checks, straight through ctypes: a status, never a read out of bounds."""
+    import ctypes
     from types import SimpleNamespace
 
-    from nanollmserve.native.build import kernels_unavailable_reason
+    from nanollmserve.native.build import kernels_unavailable_reason, load_kernels
 
     if kernels_unavailable_reason():
         pytest.skip(kernels_unavailable_reason())
     llm = make_llm(quantization="gguf", block_size=16, num_kv_blocks=64)
     step = llm.engine.model_runner.native_decode
-    vocab, library = step.vocab_size, step._library
-    for token, position, blocks, what in [
-        (vocab, 0, [0], "vocabulary"),
-        (-1, 0, [0], "vocabulary"),
-        (1, -1, [0], "position"),
-        (1, 10**6, [0], "position"),
-        (1, 16, [0], "does not reach"),
-        (1, 0, [64], "outside"),
-        (1, 0, [-1], "outside"),
+    vocab, library, model = step.vocab_size, load_kernels(), ctypes.byref(step._struct)
+    for tokens, position, blocks, what in [
+        ([vocab], 0, [0], "vocabulary"),
+        ([1, -1], 0, [0], "vocabulary"),
+        ([1], -1, [0], "positions"),
+        ([1], 10**6, [0], "positions"),
+        ([1], 16, [0], "does not reach"),
+        ([1, 2], 15, [0], "does not reach"),
+        ([1], 0, [64], "outside"),
+        ([1], 0, [-1], "outside"),
+        ([], 0, [0], "at least one token"),
     ]:
         with pytest.raises(ValueError, match=what):
-            step(token, position, blocks)
+            step(tokens, position, blocks)
+    with pytest.raises(ValueError, match="num_logits"):
+        step([1, 2], 0, [0], num_logits=3)
 
-    def raw_step(token: int, position: int, blocks: list[int]) -> int:
+    def raw_step(tokens: list[int], position: int, blocks: list[int], scratch: int = 0) -> int:
         table = torch.tensor(blocks, dtype=torch.int64)
-        out = torch.empty(1, vocab)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        out = torch.empty(len(tokens), vocab)
+        size = scratch or library.nls_decode_scratch_bytes(model, len(tokens), 1)
+        buffer = torch.empty(size, dtype=torch.uint8)
         return library.nls_decode_step(
-            step._struct_ref, token, position, table.data_ptr(), step._scratch.data_ptr(),
-            out.data_ptr(), 1,
+            model, ids.data_ptr(), len(tokens), position, table.data_ptr(), 0,
+            buffer.data_ptr(), size, out.data_ptr(), 1,
         )  # fmt: skip
 
-    assert raw_step(vocab, 0, [0]) == -3  # NLS_BAD_TOKEN
-    assert raw_step(1, step.max_context, [0]) == -2  # NLS_BAD_POSITION
-    assert raw_step(1, 0, [step.num_blocks]) == -4  # NLS_BAD_BLOCK
+    assert raw_step([vocab], 0, [0]) == -3  # NLS_BAD_TOKEN
+    assert raw_step([1, 2, vocab], 0, [0]) == -3
+    assert raw_step([1], step.max_context, [0]) == -2  # NLS_BAD_POSITION
+    assert raw_step([1, 2], step.max_context - 1, [0] * 10**4) == -2
+    assert raw_step([1], 0, [step.num_blocks]) == -4  # NLS_BAD_BLOCK
+    assert raw_step([1, 2], 15, [0, step.num_blocks]) == -4  # the second token's block
+    assert raw_step([1, 2], 0, [0], scratch=64) == -5  # NLS_BAD_SHAPE: scratch too small
     assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].text
 
     attention = llm.engine.model_runner.attention_layers[0]
@@ -223,9 +235,10 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
             decode_block_tables=torch.tensor(tables), decode_context_lens=torch.tensor(lens)
         )
         with pytest.raises(ValueError, match="block"):
-            attention._decode_native(library, q, ctx)
+            attention._decode_native(q, ctx)
     k_cache = attention.k_cache
     out = torch.empty_like(q)
+    scores = torch.empty(1 << 16, dtype=torch.uint8)
 
     def raw_attention(table: list[int], length: int) -> int:
         tables, lens = torch.tensor([table]), torch.tensor([length])
@@ -233,7 +246,7 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
             q.data_ptr(), k_cache.data_ptr(), attention.v_cache.data_ptr(), 1,
             attention.num_heads, attention.num_kv_heads, attention.head_dim, k_cache.shape[1],
             k_cache.shape[0], attention.scale, tables.data_ptr(), 1, lens.data_ptr(),
-            out.data_ptr(), 1,
+            out.data_ptr(), scores.data_ptr(), scores.numel(), 1,
         )  # fmt: skip
 
     assert raw_attention([0], 17) == -2  # longer than its one block of 16

@@ -204,3 +204,65 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_dirs) -> None:
     assert statistic < chi_square_critical(len(obs) - 1), (statistic, len(obs))
     # Both branches of the rule ran: drafts were accepted and rejected.
     assert 0.1 < spec.num_accepted_tokens_per_pos[0] / num_samples < 0.9
+
+
+@pytest.mark.milestone("m22")
+@pytest.mark.timeout(900)
+def test_verify_steps_run_natively_on_the_default_path_with_the_same_greedy_output(make_llm):
+    """The bundled model on the default flags (GGUF blocks): every verify step (the last
+    token and its drafts) is one native call, plain and under a JSON schema, and greedy
+    output equals decoding without speculation."""
+    from nanollmserve.bench.spec_decode import (
+        JSON_SCHEMA,
+        copy_json_prompt_token_ids,
+        copy_prompt_token_ids,
+    )
+
+    reference = make_llm(dtype="auto", num_kv_blocks=128)
+    llm = make_llm(dtype="auto", num_kv_blocks=128, speculative_config=NGRAM)
+    assert llm.engine.loaded.quantization == "gguf"
+    runner = llm.engine.model_runner
+    assert runner.native_decode is not None
+    cases = [
+        (copy_prompt_token_ids(llm.tokenizer, 120), {}),
+        (
+            copy_json_prompt_token_ids(llm.tokenizer, 60),
+            {"structured_outputs": {"json": JSON_SCHEMA}},
+        ),
+    ]
+    for prompt, extra in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=48, **extra)
+        expected = reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        runner.native_steps.clear()
+        before = llm.engine.stats().spec_decode.num_drafts
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == expected
+        num_drafts = llm.engine.stats().spec_decode.num_drafts - before
+        assert num_drafts > 0
+        assert runner.native_steps["verify"] == num_drafts  # every verify step ran natively
+
+
+@pytest.mark.milestone("m22")
+def test_ngram_lookup_finds_the_latest_earlier_match() -> None:
+    """The proposer's search (a C scan for the suffix's first token) proposes what a plain
+    scan of every position, latest first, finds."""
+    import random
+
+    from nanollmserve.engine.spec_decode.ngram_proposer import NgramProposer
+
+    def plain(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+        if k < 1 or len(ids) <= min_n:
+            return []
+        for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start : start + n] == ids[-n:]:
+                    return ids[start + n : start + n + k]
+        return []
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 300])
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(60))]
+        min_n = rng.randint(1, 3)
+        max_n, k = rng.randint(min_n, 5), rng.randint(0, 5)
+        assert NgramProposer(min_n, max_n).lookup(ids, k) == plain(ids, k, min_n, max_n)

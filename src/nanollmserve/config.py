@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nanollmserve.cli.sizes import parse_size
 from nanollmserve.errors import UserError
+from nanollmserve.pooler_config import PoolerConfig
 from nanollmserve.speculative_config import SpeculativeConfig
 
 
@@ -30,6 +31,9 @@ class EngineConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int = 512
     """Token budget of one engine step; longer prefills are chunked to fit."""
+    scheduling_policy: str = "fcfs"
+    """fcfs (first come, first served) | priority (by each request's `priority`, lower
+    first, then arrival; a request may preempt running ones of a higher value)."""
     block_size: int = 16
     """Tokens per KV cache block."""
     num_kv_blocks: int | None = None
@@ -64,9 +68,18 @@ class EngineConfig:
     """Speculative decoding as JSON, vLLM's keys: {"method": "ngram", "num_speculative_tokens":
     4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
     PATH, "num_speculative_tokens": 3} (default: off)."""
+    runner: str = "generate"
+    """generate (text generation) | pooling (embeddings: /v1/embeddings; each prompt runs
+    as a prefill only, its hidden states pooled by --pooler-config, no token sampled)."""
+    task: str | None = None
+    """vLLM's older spelling of --runner: embed (= --runner pooling) | generate."""
+    pooler_config: str | dict | PoolerConfig | None = None
+    """How --runner pooling pools, as JSON, vLLM's keys: {"pooling_type": "LAST" | "MEAN" |
+    "CLS", "normalize": true} (default: LAST, normalized)."""
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._resolve_runner()
         for name in BYTE_SIZE_FIELDS:  # LLM(kv_cache_memory="2GiB") reads as the flag does
             if getattr(self, name) is not None:
                 try:
@@ -85,6 +98,10 @@ class EngineConfig:
                 raise UserError(
                     f"quantization must be {names} (or unset), got {self.quantization!r}"
                 )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise UserError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise UserError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
@@ -101,13 +118,39 @@ class EngineConfig:
             )
         if self.max_lora_rank < 1:
             raise UserError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.enable_lora and self.quantization not in (None, "none"):
-            raise UserError("LoRA adapters with --quantization are not supported yet")
+        if self.enable_lora and self.quantization not in (None, "none", "gguf"):
+            raise UserError(
+                f"LoRA adapters with --quantization {self.quantization} are not supported "
+                "(they run on the GGUF blocks or on unquantized weights)"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise UserError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
+    def _resolve_runner(self) -> None:
+        """`task` folded into `runner`; the pooler config parsed; what pooling cannot do."""
+        if self.task is not None:
+            if self.task not in TASK_RUNNERS:
+                raise UserError(f"task must be embed or generate, got {self.task!r}")
+            if self.runner != "generate" and self.runner != TASK_RUNNERS[self.task]:
+                raise UserError(f"task {self.task!r} contradicts runner {self.runner!r}")
+            self.runner = TASK_RUNNERS[self.task]
+        if self.runner not in RUNNERS:
+            raise UserError(f"runner must be generate or pooling, got {self.runner!r}")
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise UserError("pooler_config needs --runner pooling (or --task embed)")
+            return
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.speculative_config is not None:
+            raise UserError("speculative decoding has nothing to speed up with --runner pooling")
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+RUNNERS = ("generate", "pooling")
+TASK_RUNNERS = {"embed": "pooling", "generate": "generate"}
 
 # Fields given in bytes: their flags take sizes with a suffix (`--kv-cache-memory 2GiB`).
 BYTE_SIZE_FIELDS = ("kv_cache_memory",)

@@ -7,6 +7,7 @@ request) in prompt order. `LLM.chat` applies the model's chat template first.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -34,6 +35,8 @@ class LLM:
             self.engine.max_model_len,
             self.engine.model_config.vocab_size,
             self.engine.eos_token_ids,
+            scheduling_policy=self.config.scheduling_policy,
+            pooling=self.config.runner == "pooling",
         )
         self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
@@ -55,14 +58,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); one RequestOutput per prompt, in order.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
-        model); an adapter is loaded the first time its name is seen (needs enable_lora)."""
+        model); an adapter is loaded the first time its name is seen (needs enable_lora).
+        `priority`: one per prompt, lower first (needs scheduling_policy="priority"); it
+        overrides the sampling params' `priority`."""
+        self._check_runner(pooling=False)
         prompt_list = _as_prompt_list(prompts)
         lora_names = self._lora_names(lora_request, len(prompt_list))
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompt_list):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+            params_list = [
+                dataclasses.replace(params, priority=value)
+                for params, value in zip(params_list, priority, strict=True)
+            ]
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        return self._run(tokenized, sampling_params, use_tqdm, lora_names)
+        return self._run(tokenized, params_list, use_tqdm, lora_names)
 
     def chat(
         self,
@@ -70,14 +86,47 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template: str | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of {"role", "content"} messages) or several."""
+        """Answer one conversation (a list of {"role", "content"} messages) or several.
+        `chat_template_kwargs`: more template variables (`{"enable_thinking": False}`);
+        `continue_final_message`: the last (assistant) message stays open (vLLM's)."""
+        self._check_runner(pooling=False)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        options = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "template_kwargs": chat_template_kwargs,
+        }
         tokenized = [
-            (None, chat_prompt_token_ids(self.tokenizer, conv, chat_template))
+            (None, chat_prompt_token_ids(self.tokenizer, conv, chat_template, **options))
             for conv in conversations
         ]
         return self._run(tokenized, sampling_params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Embed each prompt (text or token ids) with a pooling engine (`runner="pooling"`):
+        one RequestOutput per prompt, in order, its vector in `outputs[0].embedding`.
+        `lora_request`: as in `generate`."""
+        self._check_runner(pooling=True)
+        prompt_list = _as_prompt_list(prompts)
+        lora_names = self._lora_names(lora_request, len(prompt_list))
+        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
+        return self._run(tokenized, SamplingParams(max_tokens=None), use_tqdm, lora_names)
+
+    def _check_runner(self, pooling: bool) -> None:
+        if pooling and self.config.runner != "pooling":
+            raise ValueError("LLM.embed needs LLM(runner='pooling') (or task='embed')")
+        if not pooling and self.config.runner == "pooling":
+            raise ValueError("a pooling LLM (runner='pooling') embeds: use LLM.embed")
 
     def _lora_names(self, lora_request, count: int) -> list[str | None]:
         """One adapter name (or None) per prompt; loads the adapters not loaded yet."""

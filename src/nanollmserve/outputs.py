@@ -31,6 +31,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob, the sampled token first, then the top-k.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first, then a dict as above (the prompt token first).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -86,6 +88,8 @@ class CompletionOutput:
     """The stop string or stop token id that ended the output, if any."""
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    embedding: list[float] | None = None
+    """The prompt's embedding, from a pooling engine (`runner="pooling"`), once finished."""
 
     @property
     def finished(self) -> bool:
@@ -100,6 +104,8 @@ class CompletionOutput:
         self.finish_reason = newer.finish_reason
         self.stop_reason = newer.stop_reason
         self.cumulative_logprob = newer.cumulative_logprob
+        if newer.embedding is not None:
+            self.embedding = newer.embedding
 
 
 @dataclass
@@ -111,6 +117,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """With `SamplingParams.prompt_logprobs`: in the final output, and in the first DELTA
+    output after the prompt ran."""
 
     def add(self, newer: RequestOutput) -> None:
         """Merge a newer DELTA output of the same request into this one (a reader that
@@ -125,3 +134,5 @@ class RequestOutput:
         self.finished = newer.finished
         self.num_cached_tokens = newer.num_cached_tokens
         self.metrics = newer.metrics
+        if newer.prompt_logprobs is not None:
+            self.prompt_logprobs = newer.prompt_logprobs

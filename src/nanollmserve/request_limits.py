@@ -20,7 +20,8 @@ from nanollmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _HELP = {
     "max_n": "most choices one request may ask for (`n`; OpenAI's limit is 128)",
-    "max_logprobs": f"most top alternatives per token (`logprobs` / `top_logprobs`), as vLLM's "
+    "max_logprobs": f"most top alternatives per token (`logprobs` / `top_logprobs` / "
+    "`prompt_logprobs`), as vLLM's "
     f"flag; at most {MAX_LOGPROBS}, what -1 (vLLM: no cap) means here",
     "max_stop_strings": "most `stop` strings per request (OpenAI allows 4)",
     "max_stop_string_length": "longest `stop` string, in characters",
@@ -76,12 +77,14 @@ class RequestLimits:
             raise ParamError(
                 f"n is {params.n}, more than this server allows (--max-n {self.max_n})", param="n"
             )
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ParamError(
-                f"logprobs asks for {params.logprobs} alternatives per token, more than this "
-                f"server allows (--max-logprobs {self.max_logprobs})",
-                param="logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > self.max_logprobs:
+                raise ParamError(
+                    f"{name} asks for {wanted} alternatives per token, more than this "
+                    f"server allows (--max-logprobs {self.max_logprobs})",
+                    param=name,
+                )
 
     def check_messages(self, count: int, param: str = "messages") -> None:
         _check(count, self.max_messages, "max_messages", param, "messages")

@@ -25,6 +25,8 @@ MIN_REPETITION_PENALTY = 0.01
 """Lower would scale a seen token's logit by up to 1 / penalty, past float32's range."""
 MAX_REPETITION_PENALTY = 10.0
 MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 2**31 - 1
+"""`priority` is an int32: [-MAX_PRIORITY - 1, MAX_PRIORITY]."""
 
 
 @dataclass
@@ -51,6 +53,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     """Return the logprob of each sampled token plus this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return the logprob of each prompt token (None for the first) plus this many top
+    alternatives (0..20). Such a request computes its whole prompt: no prefix-cache hit."""
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (a dict of the
@@ -58,6 +63,9 @@ class SamplingParams:
     cache_salt: str | None = None
     """Only requests with the same salt share prefix-cache blocks (None: the unsalted
     pool), so one user cannot tell from timing or `cached_tokens` what another sent."""
+    priority: int = 0
+    """Under `--scheduling-policy priority`: lower runs first, and may preempt a running
+    request of a higher value when the KV pool is full. Must be 0 under fcfs."""
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -116,6 +124,16 @@ class SamplingParams:
             f"must be in [0, {MAX_LOGPROBS}]",
         )
         check(
+            self.prompt_logprobs is None or _is_int(self.prompt_logprobs, 0, MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        check(
+            _is_int(self.priority, -MAX_PRIORITY - 1, MAX_PRIORITY),
+            "priority",
+            f"must be an integer in [{-MAX_PRIORITY - 1}, {MAX_PRIORITY}]",
+        )
+        check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
             "seed",
             "must be an integer in [0, 2**63)",
@@ -155,6 +173,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_int(value, low: int, high: int) -> bool:
+    """An integer (not a bool) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _is_number(value) -> bool:

@@ -5,6 +5,9 @@ regular expression (`regex`), one of a list of strings (`choice`), or an EBNF / 
 (`grammar`). Construction checks the shape (one constraint, right types, a schema string
 that parses as JSON) and raises `ParamError` naming the field; whether the schema, regex or
 grammar compiles is checked by the grammar engine when the request is added (also a 400).
+
+`after_thinking` (set by the server's reasoning parser, not by a request) makes the grammar
+apply to the answer after a reasoning model's `</think>` token only: the thinking is free.
 """
 
 from __future__ import annotations
@@ -16,6 +19,18 @@ from typing import Any
 from nanollmserve.errors import ParamError
 
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class ThinkingSpan:
+    """Where a reasoning model's thinking is, in tokens: the grammar waits while it lasts."""
+
+    start_token_id: int
+    """`<think>`: as the output's first token it opens the thinking."""
+    end_token_id: int
+    """`</think>`: the grammar applies from the token after it."""
+    open_at_start: bool
+    """The prompt opened the thinking already (the output starts inside it)."""
 
 
 @dataclass
@@ -32,6 +47,9 @@ class StructuredOutputsParams:
     """True: the output is any JSON object."""
     disable_any_whitespace: bool = False
     """JSON without optional whitespace (compact output, fewer tokens)."""
+    after_thinking: ThinkingSpan | None = None
+    """The grammar applies only after the thinking (the server's reasoning parser sets it;
+    not a request field, and not part of the grammar's `key`)."""
 
     def __post_init__(self) -> None:
         param = "structured_outputs"
@@ -83,7 +101,7 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise ParamError("structured_outputs must be an object", param="structured_outputs")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"after_thinking"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ParamError(

@@ -39,16 +39,19 @@ async def admit(
     request_id: str,
     output_kind: OutputKind,
     lora_name: str | None = None,
+    pooling: bool = False,
 ) -> list[RequestStream]:
     """One engine request per prompt (ids `request_id`, or `request_id-i` for several), all
     or none: an error admitting one aborts the others and is raised. `lora_name`: the LoRA
-    adapter they run with (None: the base model)."""
+    adapter they run with (None: the base model). `pooling`: embedding requests."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(
-                await engine.add_request(prompt, params, rid, output_kind, lora_name=lora_name)
+                await engine.add_request(
+                    prompt, params, rid, output_kind, lora_name=lora_name, pooling=pooling
+                )
             )
     except BaseException:
         for stream in streams:

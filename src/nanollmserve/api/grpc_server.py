@@ -66,6 +66,7 @@ OPTIONAL_SAMPLING_FIELDS = (
     "seed",
     "min_tokens",
     "cache_salt",
+    "priority",
 )
 
 

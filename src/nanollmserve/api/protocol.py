@@ -144,6 +144,18 @@ CACHE_SALT_DESCRIPTION = (
 )
 
 
+def priority_field():
+    """The `priority` field of the completions, chat and responses requests (vLLM's)."""
+    return Field(
+        default=None,
+        strict=True,
+        ge=-MAX_INT32 - 1,
+        le=MAX_INT32,
+        description="Lower runs first under --scheduling-policy priority (a 400 unless 0 "
+        "under fcfs).",
+    )
+
+
 def sampling_params(
     *,
     max_tokens: int | None,
@@ -210,6 +222,18 @@ class SamplingExtensions(OpenAIBaseModel):
         default=None, description="vLLM's older name for structured_outputs.grammar."
     )
     cache_salt: str | None = Field(default=None, description=CACHE_SALT_DESCRIPTION)
+    priority: int | None = priority_field()
+    prompt_logprobs: int | None = Field(
+        default=None,
+        strict=True,
+        ge=0,
+        le=MAX_INT32,
+        description="Logprobs of each prompt token plus this many top alternatives "
+        "(at most --max-logprobs, 20); the prompt gets no prefix-cache hit.",
+    )
+    return_token_ids: bool | None = Field(
+        default=None, strict=True, description="Add the prompt's and each choice's token ids."
+    )
 
     def structured_outputs_params(self):
         """(StructuredOutputsParams or None, the request field that asked for it)."""
@@ -247,6 +271,8 @@ class SamplingExtensions(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params()[0],
             cache_salt=self.cache_salt,
+            priority=self.priority,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

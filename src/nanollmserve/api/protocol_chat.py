@@ -5,8 +5,10 @@ Messages are text (a string or a list of text parts), plus an assistant's `tool_
 `response_format` / `structured_outputs` follow `response_format.py`. Fields that only
 label or route a request at OpenAI (`user`, `metadata`, `store`, `service_tier`,
 `prompt_cache_key`, `safety_identifier`) or that change nothing for this server's models
-(`reasoning_effort`: the models do not reason) are accepted and ignored; any other unknown
-field is a 400.
+(`reasoning_effort`) are accepted and ignored; any other unknown field is a 400. vLLM's
+extras `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` shape
+the rendered prompt; with `--reasoning-parser` the message (delta) carries
+`reasoning_content`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from nanollmserve.api.protocol import (
     StreamOptions,
     UsageInfo,
 )
+from nanollmserve.api.protocol_base import PromptLogprobsJSON, TokenIOModel
 from nanollmserve.api.protocol_tools import (
     ChatCompletionMessageToolCall,
     ChatCompletionToolParam,
@@ -33,6 +36,7 @@ from nanollmserve.api.protocol_tools import (
     NamedToolChoice,
     ToolChoice,
 )
+from nanollmserve.frontend.chat_template_kwargs import check_chat_template_kwargs
 from nanollmserve.sampling_params import SamplingParams
 
 
@@ -70,7 +74,8 @@ class _ChatCompletionFields(RequestModel):
     prompt_cache_key: str | None = None
     """Accepted and ignored: prefix caching needs no key."""
     reasoning_effort: str | None = None
-    """Accepted and ignored: the served models do not reason."""
+    """Accepted and ignored (a reasoning model's thinking is switched by its template, e.g.
+    `chat_template_kwargs: {"enable_thinking": false}`)."""
     response_format: ResponseFormat | None = None
     safety_identifier: str | None = None
     """Accepted and ignored."""
@@ -93,11 +98,34 @@ class _ChatCompletionFields(RequestModel):
 
 
 class ChatCompletionRequest(SamplingExtensions, _ChatCompletionFields):
+    # vLLM's chat template extras
+    add_generation_prompt: bool = True
+    """Open the assistant's turn after the messages (false: the template's own ending)."""
+    continue_final_message: bool = False
+    """The last message (an assistant's) stays open and the model continues it."""
+    chat_template_kwargs: dict | None = None
+    """More template variables (`{"enable_thinking": false}` for Qwen3), over
+    `--default-chat-template-kwargs`; limits in `frontend/chat_template_kwargs.py`."""
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of a feature this server does not have yet, if one is asked for."""
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
+        if self.add_generation_prompt and self.continue_final_message:
+            return (
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true",
+            )
         return None
+
+    def chat_template_options(self) -> dict:
+        """The rendering options of `AsyncEngine.chat_token_ids` (ParamError: bad kwargs)."""
+        kwargs = self.chat_template_kwargs
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": None if kwargs is None else check_chat_template_kwargs(kwargs),
+        }
 
     def message_dicts(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
@@ -141,17 +169,23 @@ class ChatCompletionLogprobs(OpenAIBaseModel):
 class ChatCompletionMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """The thinking of a reasoning model (`--reasoning-parser`); None without one."""
     tool_calls: list[ChatCompletionMessageToolCall] = Field(default_factory=list)
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
+class ChatCompletionResponseChoice(TokenIOModel):
     index: int
     message: ChatCompletionMessage
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    stop_reason: int | str | None = None
+    """vLLM's: the stop string or stop token id that ended the choice (None: EOS, length)."""
+    token_ids: list[int] | None = None
+    """With `return_token_ids` (vLLM's extra)."""
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(TokenIOModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -159,6 +193,10 @@ class ChatCompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    """With `return_token_ids`: the rendered prompt's token ids."""
+    prompt_logprobs: PromptLogprobsJSON | None = None
+    """With `prompt_logprobs` (vLLM's shape)."""
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -167,6 +205,7 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -174,15 +213,19 @@ class DeltaMessage(OpenAIBaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionStreamChoice(OpenAIBaseModel):
+class ChatCompletionStreamChoice(TokenIOModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "error"] | None = None
     """"error": the engine failed this request alone (a non-streaming request gets a 500)."""
+    stop_reason: int | str | None = None
+    """With the finish reason: the stop string or stop token id that ended the choice."""
+    token_ids: list[int] | None = None
+    """With `return_token_ids`: the chunk's new token ids."""
 
 
-class ChatCompletionChunk(OpenAIBaseModel):
+class ChatCompletionChunk(TokenIOModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -190,3 +233,7 @@ class ChatCompletionChunk(OpenAIBaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """With `return_token_ids`: in the first chunk."""
+    prompt_logprobs: PromptLogprobsJSON | None = None
+    """With `prompt_logprobs`: in the first chunk with content."""

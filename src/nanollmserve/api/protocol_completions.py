@@ -2,6 +2,9 @@
 
 The prompt may be a string, a list of strings, a list of token ids or a list of token-id
 lists; each prompt gets `n` choices, numbered prompt-major (`index = prompt * n + i`).
+vLLM's token-level extras: `return_token_ids` puts `prompt_token_ids` and `token_ids` on each
+choice, `prompt_logprobs` its prompt's logprobs; `echo` with `logprobs` scores the prompt's
+tokens too (its first token's logprob is null). `use_beam_search` is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from nanollmserve.api.protocol import (
     TokenId,
     UsageInfo,
 )
+from nanollmserve.api.protocol_base import PromptLogprobsJSON, TokenIOModel
 from nanollmserve.api.protocol_chat import ResponseFormat
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
@@ -68,6 +72,9 @@ class _CompletionFields(RequestModel):
 
 
 class CompletionRequest(SamplingExtensions, _CompletionFields):
+    use_beam_search: bool | None = Field(default=None, strict=True)
+    """vLLM's beam search: refused (a 400); sample `n` choices instead."""
+
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -81,22 +88,38 @@ class CompletionRequest(SamplingExtensions, _CompletionFields):
                 f"several candidates is not supported, got {self.best_of}",
                 param="best_of",
             )
-        return self.sampling_params_with(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        if self.use_beam_search:
+            raise ParamError(
+                "use_beam_search is not supported: this server has no beam search (it is out "
+                "of scope); sample several choices with n instead",
+                param="use_beam_search",
+            )
+        params = self.sampling_params_with(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt is scored too
+            params.prompt_logprobs = max(self.logprobs, params.prompt_logprobs or 0)
+        return params
 
 
 class CompletionLogprobs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    """With `echo`, the prompt's first token has null (nothing comes before it)."""
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class CompletionResponseChoice(TokenIOModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "error"] | None = None
     """"error" (streams only): the engine failed this request alone."""
+    prompt_logprobs: PromptLogprobsJSON | None = None
+    """With `prompt_logprobs` (vLLM's shape); in a stream, in the choice's first chunk."""
+    prompt_token_ids: list[int] | None = None
+    """With `return_token_ids`; in a stream, in the choice's first chunk."""
+    token_ids: list[int] | None = None
+    """With `return_token_ids`: this choice's (a stream chunk's) new token ids."""
 
 
 class CompletionResponse(OpenAIBaseModel):

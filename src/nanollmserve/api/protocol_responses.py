@@ -21,6 +21,7 @@ from nanollmserve.api.protocol import (
     MAX_INT32,
     OpenAIBaseModel,
     RequestModel,
+    priority_field,
     sampling_params,
 )
 from nanollmserve.api.protocol_tools import (
@@ -78,7 +79,25 @@ class FunctionCallOutputItem(OpenAIBaseModel):
         return self.output
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """A reasoning model's thinking (`--reasoning-parser`): an output item; sent back as
+    input it is skipped (the chat templates drop earlier turns' thinking)."""
+
+    type: Literal["reasoning"]
+    """Required (no default), so an input item of no known type is not taken for one."""
+    id: str | None = None
+    summary: list[dict] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 def items_to_messages(items: list[InputItem]) -> list[dict]:
@@ -88,6 +107,8 @@ def items_to_messages(items: list[InputItem]) -> list[dict]:
     for item in items:
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue
         elif isinstance(item, FunctionCallItem):
             function = FunctionCall(name=item.name, arguments=item.arguments)
             call = ChatCompletionMessageToolCall(id=item.call_id, function=function)
@@ -164,7 +185,8 @@ class ResponsesRequest(RequestModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     reasoning: dict | None = None
-    """Accepted and ignored: the served models do not reason."""
+    """Accepted and ignored (with `--reasoning-parser` a reasoning model's thinking is a
+    `reasoning` output item)."""
     safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool = True
@@ -192,6 +214,7 @@ class ResponsesRequest(RequestModel):
         default=None, ge=-1, le=MAX_INT32, description="Sample from the k most likely (0/-1: all)."
     )
     cache_salt: str | None = Field(default=None, description=CACHE_SALT_DESCRIPTION)
+    priority: int | None = priority_field()
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of a field asked for that this server does not do."""
@@ -242,6 +265,7 @@ class ResponsesRequest(RequestModel):
             top_k=self.top_k,
             seed=self.seed,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             max_tokens=self.max_output_tokens,
             logprobs=(self.top_logprobs or 0) if self.wants_logprobs() else None,
         )
@@ -276,7 +300,7 @@ class OutputMessage(OpenAIBaseModel):
     content: list[OutputText]
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(OpenAIBaseModel):

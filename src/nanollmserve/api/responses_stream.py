@@ -2,6 +2,9 @@
 and `client.responses.stream(...)` of the SDK reads them:
 
     response.created, response.in_progress,
+    a reasoning item first (`--reasoning-parser`): response.output_item.added,
+        response.content_part.added, response.reasoning_text.delta...,
+        response.reasoning_text.done, response.content_part.done, response.output_item.done
     per message item: response.output_item.added, response.content_part.added,
         response.output_text.delta..., response.output_text.done,
         response.content_part.done, response.output_item.done
@@ -26,6 +29,8 @@ from nanollmserve.api.protocol_responses import (
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     TokenLogprob,
 )
@@ -41,12 +46,17 @@ def function_call_item_id() -> str:
     return "fc_" + secrets.token_hex(12)
 
 
+def reasoning_item_id() -> str:
+    return "rs_" + secrets.token_hex(12)
+
+
 class ResponseEvents:
     def __init__(self) -> None:
         self.sequence_number = 0
         self.items: list[OutputItem] = []
         self._message: OutputMessage | None = None
         self._call: FunctionCallItem | None = None
+        self._reasoning: ReasoningItem | None = None
 
     def event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence_number}
@@ -78,8 +88,55 @@ class ResponseEvents:
             )
         return events
 
+    def reasoning(self, delta: str) -> list[str]:
+        """New thinking: opens the reasoning item if none is open."""
+        events = [] if self._reasoning else self._open_reasoning()
+        if delta:
+            self._reasoning.content[0].text += delta
+            events.append(
+                self.event("response.reasoning_text.delta", **self._reasoning_ref(), delta=delta)
+            )
+        return events
+
+    def _open_reasoning(self) -> list[str]:
+        events = self._close_message("completed") + self._close_call()
+        self._reasoning = ReasoningItem(
+            type="reasoning",
+            id=reasoning_item_id(),
+            status="in_progress",
+            content=[ReasoningText(text="")],
+        )
+        self.items.append(self._reasoning)
+        added = self._reasoning.model_copy(update={"content": []})
+        events.append(
+            self.event("response.output_item.added", output_index=self._index(), item=added)
+        )
+        events.append(
+            self.event(
+                "response.content_part.added", **self._reasoning_ref(), part=ReasoningText(text="")
+            )
+        )
+        return events
+
+    def _reasoning_ref(self) -> dict:
+        index = self.items.index(self._reasoning)
+        return {"item_id": self._reasoning.id, "output_index": index, "content_index": 0}
+
+    def _close_reasoning(self, status: str = "completed") -> list[str]:
+        if self._reasoning is None:
+            return []
+        ref = self._reasoning_ref()
+        item, self._reasoning = self._reasoning, None
+        item.status = status
+        part = item.content[0]
+        return [
+            self.event("response.reasoning_text.done", **ref, text=part.text),
+            self.event("response.content_part.done", **ref, part=part),
+            self.event("response.output_item.done", output_index=ref["output_index"], item=item),
+        ]
+
     def open_message(self) -> list[str]:
-        events = self._close_call()
+        events = self._close_reasoning() + self._close_call()
         self._message = OutputMessage(
             id=message_id(), status="in_progress", content=[OutputText(text="")]
         )
@@ -97,7 +154,8 @@ class ResponseEvents:
         """A call's header (it opens a function_call item) or an argument fragment."""
         events = []
         if delta.name is not None:
-            events += self._close_message("completed") + self._close_call()
+            events += self._close_reasoning() + self._close_message("completed")
+            events += self._close_call()
             self._call = FunctionCallItem(
                 id=function_call_item_id(),
                 call_id=delta.id,
@@ -125,7 +183,9 @@ class ResponseEvents:
 
     def close(self, status: str) -> list[str]:
         """End the open items ("completed", or "incomplete" when the output was cut)."""
-        return self._close_message(status) + self._close_call(status)
+        return (
+            self._close_reasoning(status) + self._close_message(status) + self._close_call(status)
+        )
 
     def _close_message(self, status: str) -> list[str]:
         message, self._message = self._message, None

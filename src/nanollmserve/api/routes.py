@@ -16,7 +16,9 @@ from fastapi.responses import PlainTextResponse, Response
 from nanollmserve.api import (
     serving_chat,
     serving_completions,
+    serving_embeddings,
     serving_lora,
+    serving_messages,
     serving_responses,
     simple_api,
 )
@@ -35,6 +37,13 @@ from nanollmserve.api.protocol import (
 )
 from nanollmserve.api.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from nanollmserve.api.protocol_completions import CompletionRequest, CompletionResponse
+from nanollmserve.api.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
+from nanollmserve.api.protocol_messages import (
+    CountTokensRequest,
+    CountTokensResponse,
+    Message,
+    MessagesRequest,
+)
 from nanollmserve.api.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
 from nanollmserve.api.serving import ServerContext
 from nanollmserve.errors import ParamError
@@ -196,6 +205,13 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Ctx):
     return await serving_responses.create_response(body, request, ctx)
 
 
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, tags=["openai"])
+async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Ctx):
+    """One embedding per input (needs a server started with --runner pooling)."""
+    ctx.limits.check_fields(user=body.user)
+    return await serving_embeddings.create_embedding(body, request, ctx)
+
+
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, tags=["openai"])
 async def retrieve_response(response_id: str, ctx: Ctx):
     return serving_responses.retrieve_response(response_id, ctx)
@@ -204,6 +220,18 @@ async def retrieve_response(response_id: str, ctx: Ctx):
 @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, tags=["openai"])
 async def delete_response(response_id: str, ctx: Ctx):
     return serving_responses.delete_response(response_id, ctx)
+
+
+@router.post("/v1/messages", responses=_json_or_sse(Message), tags=["anthropic"])
+async def create_message(body: MessagesRequest, request: Request, ctx: Ctx):
+    """Anthropic's Messages API (errors in Anthropic's shape; SSE events with `stream`)."""
+    return await serving_messages.create_message(body, request, ctx)
+
+
+@router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, tags=["anthropic"])
+async def count_message_tokens(body: CountTokensRequest, ctx: Ctx) -> CountTokensResponse:
+    """The prompt tokens /v1/messages would run for this request."""
+    return await serving_messages.count_tokens(body, ctx)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])

@@ -53,6 +53,12 @@ class ServerSettings:
     tool_call_parser: str | None = None
     """The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice --tool-call-parser`);
     None: "auto" with tools is a 400."""
+    reasoning_parser: str | None = None
+    """`--reasoning-parser`: a reasoning model's thinking goes to `reasoning_content` (chat)
+    and a `reasoning` item (responses); None: it stays in the text."""
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    """`--default-chat-template-kwargs`: template variables of every chat that does not set
+    them (installed in the engine, so gRPC chats get them too)."""
     log_requests: bool = False
     """Log one line per ended request (`nanollmserve serve` turns it on)."""
     log_prompts: bool = False
@@ -77,6 +83,7 @@ class ServerContext:
         engine.request_policy = RequestPolicy(
             settings.limits, dict(settings.generation_defaults), engine.max_num_seqs
         )
+        engine.default_chat_template_kwargs = dict(settings.default_chat_template_kwargs)
         self.model_names = settings.served_model_names or [engine.model_name]
         self.responses = ResponseStore(
             settings.response_store_size, settings.response_store_max_bytes
@@ -121,17 +128,20 @@ class ServerContext:
         stream: bool = False,
         model: str | None = None,
         client_request_id: str | None = None,
+        pooling: bool = False,
     ) -> list[RequestStream]:
         """Admit one request per prompt, all or none: DELTA streams for a streamed response,
         FINAL_ONLY ones otherwise. `model` (checked by `check_model`) naming a LoRA adapter
         runs them with it. `request_id` is the server's; `client_request_id` (the client's
-        `X-Request-Id`) is only logged next to it, quoted."""
+        `X-Request-Id`) is only logged next to it, quoted. `pooling`: embedding requests."""
         self.limits.check_fields(
             client_request_id=client_request_id, request_id_param=REQUEST_ID_HEADER
         )
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         lora_name = None if model in self.model_names else model
-        streams = await admit(self.engine, prompts, params, request_id, kind, lora_name)
+        streams = await admit(
+            self.engine, prompts, params, request_id, kind, lora_name, pooling=pooling
+        )
         if client_request_id is not None and self.settings.log_requests:
             log_client_request_id(request_id, client_request_id)
         return streams

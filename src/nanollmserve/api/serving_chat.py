@@ -9,6 +9,11 @@ failed alone ends with finish_reason "error" (a non-streaming request gets a 500
 With tools (`tool_choice.py`), each choice's text goes through the tool parser: calls
 become `message.tool_calls` (streamed as `delta.tool_calls`: id and name first, then
 argument fragments) with finish_reason "tool_calls"; the rest stays content.
+
+With `--reasoning-parser` (`reasoning_parsers/`), each choice's text is first split into
+its thinking (`reasoning_content`, streamed as `delta.reasoning_content`) and its answer;
+only the answer goes through the tool parser and is `content`, and a grammar (structured
+output, a forced call) applies to the answer only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanollmserve.api.errors import bad_request, from_param_error
 from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
+from nanollmserve.api.protocol_base import prompt_logprobs_json
 from nanollmserve.api.protocol_chat import (
     ChatCompletionChunk,
     ChatCompletionLogprobs,
@@ -38,6 +44,8 @@ from nanollmserve.api.protocol_tools import (
     DeltaToolCall,
     FunctionCall,
 )
+from nanollmserve.api.reasoning_parsers import REASONING_PARSERS, ReasoningParser
+from nanollmserve.api.reasoning_parsers.plan import ReasoningPlan, plan_reasoning
 from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.serving import (
     ServerContext,
@@ -50,7 +58,7 @@ from nanollmserve.api.sse import SSE_DONE, sse_error, sse_event, sse_response
 from nanollmserve.api.tool_choice import ToolPlan, ToolStream, plan_tools, with_tool_grammar
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import RequestStream
-from nanollmserve.outputs import Logprob
+from nanollmserve.outputs import Logprob, RequestOutput
 
 # SamplingParams field -> request field, for the `param` of a 400.
 _PARAM_ALIASES = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
@@ -70,7 +78,16 @@ async def create_chat_completion(
         parallel_tool_calls=body.parallel_tool_calls,
     )
     params = with_tool_grammar(ctx.make_params(body.to_sampling_params, _PARAM_ALIASES), plan)
-    prompt_token_ids = await ctx.engine.chat_token_ids(body.message_dicts(), plan.template_tools)
+    prompt_token_ids = await ctx.engine.chat_token_ids(
+        body.message_dicts(), plan.template_tools, **body.chat_template_options()
+    )
+    reasoning, params = await plan_reasoning(
+        ctx.engine,
+        REASONING_PARSERS.get(ctx.settings.reasoning_parser),
+        prompt_token_ids,
+        params,
+        "tool_choice" if plan.structured_outputs is not None else "response_format",
+    )
     request_id = random_id("chatcmpl-")
     try:
         [stream] = await ctx.add_requests(
@@ -93,12 +110,16 @@ async def create_chat_completion(
     top_k = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(stream, body, plan, model, request_id, created, include_usage)
+        chunks = _stream(stream, body, plan, reasoning, model, request_id, created, include_usage)
         return sse_response(chunks, [stream])
     [output] = await final_outputs(request, [stream])
     choices = []
     for choice in output.outputs:
-        result = plan.parse(choice.text, finish_reason(choice))
+        thinking, answer = None, choice.text
+        if reasoning is not None:
+            thinking, answer = reasoning.parser().parse(choice.text)
+        result = plan.parse(answer, finish_reason(choice))
+        content = result.content if reasoning is None or result.content else None
         calls = [
             ChatCompletionMessageToolCall(
                 id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)
@@ -108,13 +129,22 @@ async def create_chat_completion(
         choices.append(
             ChatCompletionResponseChoice(
                 index=choice.index,
-                message=ChatCompletionMessage(content=result.content, tool_calls=calls),
+                message=ChatCompletionMessage(
+                    content=content, reasoning_content=thinking, tool_calls=calls
+                ),
                 logprobs=token_logprobs(choice.logprobs or [], top_k) if body.logprobs else None,
                 finish_reason=result.finish_reason,
+                stop_reason=choice.stop_reason,
+                token_ids=list(choice.token_ids) if body.return_token_ids else None,
             )
         )
     response = ChatCompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=usage_of([output])
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage_of([output]),
+        **_prompt_token_io(body, output),
     )
     return JSONResponse(response.model_dump())
 
@@ -123,21 +153,28 @@ async def _stream(
     stream: RequestStream,
     body: ChatCompletionRequest,
     plan: ToolPlan,
+    reasoning: ReasoningPlan | None,
     model: str,
     request_id: str,
     created: int,
     include_usage: bool,
 ):
-    def chunk(choices, usage=None) -> str:
+    def chunk(choices, usage=None, **prompt_token_io) -> str:
         return sse_event(
             ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
+                id=request_id,
+                created=created,
+                model=model,
+                choices=choices,
+                usage=usage,
+                **prompt_token_io,
             )
         )
 
     top_k = body.top_logprobs or 0
     totals = StreamTotals()
     tool_streams = {i: plan.stream() for i in range(body.n)} if plan.parses_calls else {}
+    thinking = {i: reasoning.parser() for i in range(body.n)} if reasoning else {}
     try:
         # The role goes first, in a chunk of its own for every choice.
         yield chunk(
@@ -148,18 +185,34 @@ async def _stream(
                 for i in range(body.n)
             ]
         )
+        prompt_sent = False  # the prompt's token-level fields go in the first chunk after
         async for step in choice_deltas([stream], totals, error_is_reason=True):
             choice = step.choice
+            prompt_io = {} if prompt_sent else _prompt_token_io(body, step.output)
+            prompt_sent = prompt_sent or bool(prompt_io)
+            token_ids = list(choice.token_ids) if body.return_token_ids else None
             logprobs = token_logprobs(choice.logprobs or [], top_k) if body.logprobs else None
-            delta, reason = _delta(tool_streams.get(choice.index), choice.text, step.finish_reason)
-            if delta == DeltaMessage() and reason is None and not (logprobs and logprobs.content):
+            delta, reason = _delta(
+                thinking.get(choice.index),
+                tool_streams.get(choice.index),
+                choice.text,
+                step.finish_reason,
+            )
+            news = prompt_io or token_ids or logprobs and logprobs.content
+            if delta == DeltaMessage() and reason is None and not news:
                 continue
             yield chunk(
                 [
                     ChatCompletionStreamChoice(
-                        index=choice.index, delta=delta, logprobs=logprobs, finish_reason=reason
+                        index=choice.index,
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                        stop_reason=choice.stop_reason if reason else None,
+                        token_ids=token_ids,
                     )
-                ]
+                ],
+                **prompt_io,
             )
         if include_usage:
             yield chunk([], usage=usage_of_stream(totals))
@@ -170,12 +223,36 @@ async def _stream(
     yield SSE_DONE
 
 
+def _prompt_token_io(body: ChatCompletionRequest, output: RequestOutput) -> dict:
+    """The response's (a chunk's) vLLM token-level fields about the prompt, as asked for."""
+    fields = {}
+    if body.return_token_ids:
+        fields["prompt_token_ids"] = list(output.prompt_token_ids)
+    if body.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+    return fields
+
+
 def _delta(
-    tools: ToolStream | None, text: str, engine_reason: str | None
+    thinking: ReasoningParser | None,
+    tools: ToolStream | None,
+    text: str,
+    engine_reason: str | None,
 ) -> tuple[DeltaMessage, str | None]:
-    """A choice's new text as a delta (content, or tool-call parts) and its finish reason."""
+    """A choice's new text as a delta (reasoning, content, or tool-call parts) and its
+    finish reason."""
+    reasoning_text = ""
+    if thinking is not None:
+        split = thinking.feed(text)
+        if engine_reason is not None:
+            last = thinking.finish()
+            split.reasoning += last.reasoning
+            split.content += last.content
+        reasoning_text, text = split.reasoning, split.content
     if tools is None:
-        return (DeltaMessage(content=text) if text else DeltaMessage()), engine_reason
+        return DeltaMessage(
+            content=text or None, reasoning_content=reasoning_text or None
+        ), engine_reason
     parsed = tools.feed(text)
     reason = engine_reason
     if engine_reason is not None:
@@ -195,7 +272,12 @@ def _delta(
                 function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
             )
         )
-    return DeltaMessage(content=parsed.content or None, tool_calls=calls or None), reason
+    delta = DeltaMessage(
+        content=parsed.content or None,
+        reasoning_content=reasoning_text or None,
+        tool_calls=calls or None,
+    )
+    return delta, reason
 
 
 def token_logprobs(entries: list[dict[int, Logprob]], top_k: int) -> ChatCompletionLogprobs:

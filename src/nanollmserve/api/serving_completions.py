@@ -3,7 +3,9 @@
 Every prompt of the request is admitted to the engine at once (continuous batching runs
 them together); choice `index` is `prompt_index * n + i`. Logprobs use the legacy shape
 (tokens, token_logprobs, top_logprobs, text_offset); `echo` puts the prompt in front of the
-text.
+text, and with `logprobs` its tokens in front of the logprobs (scored by the engine's prompt
+logprobs). `return_token_ids` and `prompt_logprobs` add vLLM's token-level fields to each
+choice (a stream: the prompt's in a choice's first chunk).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanollmserve.api.errors import bad_request, from_param_error
 from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
+from nanollmserve.api.protocol_base import prompt_logprobs_json
 from nanollmserve.api.protocol_completions import (
     CompletionLogprobs,
     CompletionRequest,
@@ -40,8 +43,6 @@ async def create_completion(
     model = ctx.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported yet (no prompt logprobs)", "echo")
     params = ctx.make_params(body.to_sampling_params)
     prompts = body.prompts()
     request_id = random_id("cmpl-")
@@ -68,13 +69,15 @@ async def create_completion(
         for choice in output.outputs:
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _logprobs(choice.logprobs or [], 0)
+                entries = await _echoed(ctx, body, output) + (choice.logprobs or [])
+                logprobs = _logprobs(entries, 0)
             choices.append(
                 CompletionResponseChoice(
                     index=prompt_index * body.n + choice.index,
                     text=echo + choice.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(choice),
+                    **_token_io(body, output, choice.token_ids, first=True),
                 )
             )
     response = CompletionResponse(
@@ -85,25 +88,35 @@ async def create_completion(
 
 async def _stream(ctx, streams, body: CompletionRequest, model, request_id, created, usage):
     text_offsets: dict[int, int] = {}
+    # Per prompt, the output that brought its prompt logprobs (a DELTA output has them once;
+    # each choice's first chunk needs them).
+    prompt_outputs: dict[int, RequestOutput] = {}
     totals = StreamTotals()
     try:
         async for step in choice_deltas(streams, totals, error_is_reason=True):
             choice = step.choice
             index = step.prompt_index * body.n + choice.index
             echo = await _prompt_text(ctx, step.output) if body.echo and step.first else ""
+            if step.output.prompt_logprobs is not None:
+                prompt_outputs.setdefault(step.prompt_index, step.output)
+            prompt_output = prompt_outputs.get(step.prompt_index, step.output)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _logprobs(choice.logprobs or [], text_offsets.get(index, 0))
+                entries = await _echoed(ctx, body, prompt_output) if step.first else []
+                logprobs = _logprobs(entries + (choice.logprobs or []), text_offsets.get(index, 0))
                 text_offsets[index] = text_offsets.get(index, 0) + sum(
                     len(t) for t in logprobs.tokens
                 )
-            if not (echo or choice.text or step.finish_reason or logprobs and logprobs.tokens):
+            token_io = _token_io(body, prompt_output, choice.token_ids, step.first)
+            news = echo or choice.text or step.finish_reason or any(token_io.values())
+            if not (news or logprobs and logprobs.tokens):
                 continue
             chunk_choice = CompletionResponseChoice(
                 index=index,
                 text=echo + choice.text,
                 logprobs=logprobs,
                 finish_reason=step.finish_reason,
+                **token_io,
             )
             yield sse_event(
                 CompletionResponse(
@@ -131,11 +144,42 @@ async def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
     return await ctx.engine.detokenize(output.prompt_token_ids)
 
 
-def _logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> CompletionLogprobs:
-    """Legacy logprobs: per token its text, its logprob, the alternatives (the sampled token
-    plus the top `logprobs`, by text) and where it starts in the text."""
+async def _echoed(
+    ctx: ServerContext, body: CompletionRequest, output: RequestOutput
+) -> list[dict[int, Logprob] | str]:
+    """With `echo` and `logprobs`: the prompt's entries, to go before the choice's; the
+    first prompt token, which nothing predicts, is only its text."""
+    if not (body.echo and body.logprobs is not None) or output.prompt_logprobs is None:
+        return []
+    first_token = await ctx.engine.detokenize(output.prompt_token_ids[:1])
+    return [first_token, *output.prompt_logprobs[1:]]
+
+
+def _token_io(body: CompletionRequest, output: RequestOutput, token_ids, first: bool) -> dict:
+    """The choice's vLLM token-level fields (the prompt's only in its first chunk)."""
+    fields = {}
+    if body.return_token_ids:
+        fields["token_ids"] = list(token_ids)
+        if first:
+            fields["prompt_token_ids"] = list(output.prompt_token_ids)
+    if body.prompt_logprobs is not None and first:
+        fields["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+    return fields
+
+
+def _logprobs(entries: list[dict[int, Logprob] | str], text_offset: int) -> CompletionLogprobs:
+    """Legacy logprobs: per token its text, its logprob, the alternatives (the scored token
+    plus the top `logprobs`, by text) and where it starts in the text. A bare text (the
+    echoed prompt's first token) has a null logprob and alternatives."""
     result = CompletionLogprobs()
     for entry in entries:
+        if isinstance(entry, str):
+            result.tokens.append(entry)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(entry)
+            continue
         sampled = next(iter(entry.values()))
         token = sampled.decoded_token or ""
         result.tokens.append(token)

@@ -8,7 +8,9 @@ does on chat; `truncation: "auto"` drops the oldest turns until the conversation
 output is a message item and/or `function_call` items (`tool_choice.py` reads the calls);
 streamed, the events of `responses_stream.py`. With `store` (the default) the result is kept
 in the in-memory ResponseStore (bounded by count and by `--responses-store-max-bytes`) for GET
-and for later `previous_response_id`s.
+and for later `previous_response_id`s. With `--reasoning-parser` a reasoning model's thinking
+comes first as a `reasoning` item (not stored in the conversation: templates drop it), and
+the grammar of `text.format` or a forced call applies to the answer after it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from nanollmserve.api.protocol_responses import (
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseDeleted,
     ResponseError,
     ResponseObject,
@@ -41,9 +45,16 @@ from nanollmserve.api.protocol_responses import (
     TokenLogprob,
 )
 from nanollmserve.api.protocol_tools import ChatCompletionMessageToolCall, FunctionCall
+from nanollmserve.api.reasoning_parsers import REASONING_PARSERS
+from nanollmserve.api.reasoning_parsers.plan import ReasoningPlan, plan_reasoning
 from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.response_format import structured_outputs_from_response_format
-from nanollmserve.api.responses_stream import ResponseEvents, function_call_item_id, message_id
+from nanollmserve.api.responses_stream import (
+    ResponseEvents,
+    function_call_item_id,
+    message_id,
+    reasoning_item_id,
+)
 from nanollmserve.api.serving import ServerContext, final_outputs, random_id
 from nanollmserve.api.serving_chat import token_logprobs
 from nanollmserve.api.sse import sse_response
@@ -76,6 +87,13 @@ async def create_response(
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     params = with_tool_grammar(_with_text_format(ctx, body), plan)
     prompt_token_ids = await _render(ctx, body, system, conversation, plan, params)
+    reasoning, params = await plan_reasoning(
+        ctx.engine,
+        REASONING_PARSERS.get(ctx.settings.reasoning_parser),
+        prompt_token_ids,
+        params,
+        "tools" if plan.structured_outputs is not None else "text.format",
+    )
     response_id = random_id("resp_")
     try:
         [stream] = await ctx.add_requests(
@@ -110,13 +128,24 @@ async def create_response(
         metadata=body.metadata or {},
     )
     if body.stream:
-        events = _stream(ctx, stream, template, plan, body.wants_logprobs(), conversation)
+        events = _stream(
+            ctx, stream, template, plan, reasoning, body.wants_logprobs(), conversation
+        )
         return sse_response(events, [stream])
     [output] = await final_outputs(request, [stream])
     [choice] = output.outputs
     reason = finish_reason(choice)
-    result = plan.parse(choice.text, reason)
+    thinking, answer = None, choice.text
+    if reasoning is not None:
+        thinking, answer = reasoning.parser().parse(choice.text)
+    result = plan.parse(answer, reason)
     items: list[OutputItem] = []
+    if thinking is not None:
+        content = [ReasoningText(text=thinking)]
+        item = ReasoningItem(
+            type="reasoning", id=reasoning_item_id(), status="completed", content=content
+        )
+        items.append(item)
     if result.content or not result.calls:
         logprobs = _logprobs(choice, body.wants_logprobs(), body.top_logprobs)
         text = OutputText(text=result.content or "", logprobs=logprobs)
@@ -278,15 +307,17 @@ async def _stream(
     stream: RequestStream,
     template: ResponseObject,
     plan: ToolPlan,
+    reasoning: ReasoningPlan | None,
     wants_logprobs: bool,
     conversation: list[dict],
 ):
     events = ResponseEvents()
     tools = plan.stream() if plan.parses_calls else None
+    thinking = reasoning.parser() if reasoning is not None else None
     try:
         for event in events.start(template):
             yield event
-        if tools is None:  # plain text: the message item opens at once
+        if tools is None and thinking is None:  # plain text: the message item opens at once
             for event in events.open_message():
                 yield event
         final = None
@@ -294,20 +325,35 @@ async def _stream(
         async for step in choice_deltas([stream]):
             final = _accumulate(final, step.output)
             reason = step.finish_reason
+            text = step.choice.text
+            if thinking is not None:
+                split = thinking.feed(text)
+                if reason is not None:
+                    last = thinking.finish()
+                    split.reasoning += last.reasoning
+                    split.content += last.content
+                if split.reasoning:
+                    for event in events.reasoning(split.reasoning):
+                        yield event
+                text = split.content
             if tools is None:
                 logprobs = _logprobs(step.choice, wants_logprobs, template.top_logprobs)
-                if step.choice.text or logprobs:
-                    for event in events.text(step.choice.text, logprobs):
+                if thinking is not None and not text:
+                    logprobs = []  # the tokens of the thinking: no message item for them
+                if text or logprobs:
+                    for event in events.text(text, logprobs):
                         yield event
                 continue
-            parsed = tools.feed(step.choice.text)
+            parsed = tools.feed(text)
             if reason is not None:
                 last, reason = tools.finish(reason)
                 parsed.content += last.content
                 parsed.tool_calls += last.tool_calls
             for event in _parsed_events(events, parsed):
                 yield event
-        if not events.items:  # no output at all: an empty message, as without tools
+        answered = (OutputMessage, FunctionCallItem)
+        if not any(isinstance(item, answered) for item in events.items):
+            # no answer at all: an empty message, as without tools
             for event in events.open_message():
                 yield event
         status = "incomplete" if reason == "length" else "completed"

@@ -58,7 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="both: the same workload over HTTP, then over gRPC, on one server; one JSON",
     )
     target.add_argument("--grpc-target", default=None, help="host:port of gRPC (with --base-url)")
-    target.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    target.add_argument(
+        "--endpoint",
+        choices=["completions", "chat", "embeddings", "messages"],
+        default="completions",
+        help="embeddings: /v1/embeddings (our own server then runs --runner pooling); "
+        "messages: Anthropic's /v1/messages",
+    )
     target.add_argument("--model", default=None, help="model name (default: from /v1/models)")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     target.add_argument(
@@ -96,6 +102,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--plot", default=None, help="write latency CDFs (and sweep) PNG here")
     out.add_argument("--save-detailed", action="store_true", help="per-request values in JSON")
     out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="with --endpoint embeddings: also encode the run's texts with transformers "
+        "(batches of 32, float32, the --tokenizer model) and report both throughputs",
+    )
     add_common_args(p, engine=False)
     p.set_defaults(func=run)
 
@@ -267,10 +279,30 @@ def _side_by_side(measured: list[tuple[dict, list]]) -> tuple[dict, list]:
     return result, http_raw  # the plot shows the HTTP run
 
 
+def _hf_embed_baseline(args, words: workloads.WordTokens, result: dict) -> dict:
+    """transformers encoding the first run's texts (after the server stopped), and how our
+    input-token throughput compares with it."""
+    from nanollmserve.bench.hf_embed import hf_embed_throughput
+    from nanollmserve.model.source import resolve_model
+
+    texts = [r.completion_prompt() for r in build_requests(args, words, args.seed)]
+    log(f"hf baseline: encoding {len(texts)} texts with transformers, batches of 32")
+    baseline = hf_embed_throughput(resolve_model(args.tokenizer).path, texts)
+    ours = result.get("sweep", [result])[0]
+    baseline["ours_vs_hf_input_token_throughput"] = ratio(
+        ours["total_token_throughput"], baseline["input_token_throughput"]
+    )
+    return baseline
+
+
 def make_backend(args, name: str, base_url: str, grpc_target: str | None):
     from nanollmserve.bench.serve_client import GrpcBackend, OpenAIBackend
 
     if name == "grpc":
+        if args.endpoint in ("embeddings", "messages"):
+            raise UserError(
+                f"--endpoint {args.endpoint} is served over HTTP only (--backend openai)"
+            )
         if not grpc_target:
             raise UserError("--backend grpc with --base-url needs --grpc-target HOST:PORT")
         backend = GrpcBackend(grpc_target, args.endpoint, args.api_key, stats_url=base_url)
@@ -300,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise UserError("--num-prompts must be >= 1")
     parse_goodput(args.goodput)  # fail on a typo before a server starts
+    if args.hf_baseline and args.endpoint != "embeddings":
+        raise UserError("--hf-baseline needs --endpoint embeddings")
     words = workloads.WordTokens(load_tokenizer(resolve_model(args.tokenizer).path))
 
     names = ["openai", "grpc"] if args.backend == "both" else [args.backend]
@@ -321,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
         server_args = None
     else:
         serve_args = shlex.split(args.server_args)
+        if args.endpoint == "embeddings" and not {"--runner", "--task"} & set(serve_args):
+            serve_args += ["--runner", "pooling"]
         if "--max-queue-len" not in serve_args:  # never reject a request of the benchmark
             serve_args += ["--max-queue-len", str(max(256, args.num_prompts))]
         with OwnServer(serve_args, grpc="grpc" in names) as server:
@@ -330,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
     result, raw = measured[0] if len(measured) == 1 else _side_by_side(measured)
     if server_args is not None:
         result["server_args"] = server_args
+    if args.hf_baseline:
+        result["hf_baseline"] = _hf_embed_baseline(args, words, result)
     if args.plot:
         from nanollmserve.bench.plots import plot_serve
 

@@ -8,6 +8,10 @@ output counts afterwards: max_tokens when the finish reason is "length" (exact, 
 `--ignore-eos` runs end with), else the server re-tokenizes the text (`/tokenize` of ours and
 vLLM, `/extras/tokenize/count` of llama-cpp-python; re-tokenizing can merge tokens, ~2% fewer
 here), else one token per content chunk; its prompt counts are the intended ones.
+With `--endpoint messages` it streams Anthropic's `/v1/messages` (text deltas are the
+content chunks; `message_delta` has the usage and the stop reason, max_tokens as "length").
+With `--endpoint embeddings` it posts to `/v1/embeddings` instead (no stream: TTFT is E2E, no
+output tokens; the prompt count comes from `usage`).
 `GrpcBackend` streams the gRPC `GenerateStream` (`nanollmserve serve --grpc-port`); its last
 message carries the token counts.
 """
@@ -56,6 +60,14 @@ def server_root(base_url: str) -> str:
     return root.removesuffix("/v1")
 
 
+ENDPOINT_PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "embeddings": "/v1/embeddings",
+    "messages": "/v1/messages",
+}
+
+
 class OpenAIBackend:
     name = "openai"
 
@@ -68,9 +80,9 @@ class OpenAIBackend:
         extra_body: dict | None = None,
         timeout: float = 600.0,
     ) -> None:
-        if endpoint not in ("completions", "chat"):
-            raise ValueError(f"endpoint must be completions or chat, got {endpoint!r}")
-        if prompt_format == "ids" and endpoint == "chat":
+        if endpoint not in ENDPOINT_PATHS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINT_PATHS)}, got {endpoint!r}")
+        if prompt_format == "ids" and endpoint in ("chat", "messages"):
             raise ValueError("--prompt-format ids needs --endpoint completions")
         self.root = server_root(base_url)
         self.endpoint = endpoint
@@ -97,8 +109,9 @@ class OpenAIBackend:
 
     def payload(self, request: ServeRequest) -> dict:
         body: dict = {"model": self.model, "max_tokens": request.max_tokens, "stream": True}
-        body["stream_options"] = {"include_usage": True}
-        if self.endpoint == "chat":
+        if self.endpoint != "messages":  # Anthropic's events carry the usage unasked
+            body["stream_options"] = {"include_usage": True}
+        if self.endpoint in ("chat", "messages"):
             body["messages"] = request.messages()
         elif self.prompt_format == "ids":
             body["prompt"] = request.prompt_token_ids
@@ -110,7 +123,9 @@ class OpenAIBackend:
         return body
 
     async def send(self, request: ServeRequest) -> RequestResult:
-        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        if self.endpoint == "embeddings":
+            return await self._embed(request)
+        path = ENDPOINT_PATHS[self.endpoint]
         result = RequestResult(count_source="")
         result.start = last = time.perf_counter()
         texts: list[str] = []
@@ -131,7 +146,7 @@ class OpenAIBackend:
                         result.error = str(chunk["error"])[:300]
                         return result
                     text = self._content(chunk)
-                    if reason := (chunk.get("choices") or [{}])[0].get("finish_reason"):
+                    if reason := self._finish_reason(chunk):
                         result.finish_reason = reason
                     if text:
                         now = time.perf_counter()
@@ -142,9 +157,13 @@ class OpenAIBackend:
                         last = now
                         texts.append(text)
                     usage = chunk.get("usage")
-                    if usage:
-                        result.prompt_tokens = usage.get("prompt_tokens") or 0
-                        result.output_tokens = usage.get("completion_tokens") or 0
+                    if usage and chunk.get("type") != "message_start":  # that has no output
+                        result.prompt_tokens = (
+                            usage.get("prompt_tokens") or usage.get("input_tokens") or 0
+                        )
+                        result.output_tokens = (
+                            usage.get("completion_tokens") or usage.get("output_tokens") or 0
+                        )
                         result.count_source = "usage"
         except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -157,13 +176,45 @@ class OpenAIBackend:
         result.success = True
         return result
 
+    async def _embed(self, request: ServeRequest) -> RequestResult:
+        """One `/v1/embeddings` call: a JSON answer, timed whole."""
+        text_or_ids = request.prompt_token_ids if self.prompt_format == "ids" else None
+        body = {
+            "model": self.model,
+            "input": text_or_ids or request.completion_prompt(),
+            "encoding_format": "float",
+        }
+        result = RequestResult()
+        result.start = time.perf_counter()
+        try:
+            response = await self.client.post(self.root + ENDPOINT_PATHS["embeddings"], json=body)
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                return result
+            reply = response.json()
+        except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"[:300]
+            return result
+        result.e2e = result.ttft = time.perf_counter() - result.start
+        result.prompt_tokens = reply["usage"]["prompt_tokens"]
+        result.success = True
+        return result
+
     def _content(self, chunk: dict) -> str:
+        if self.endpoint == "messages":  # content_block_delta events with a text_delta
+            return (chunk.get("delta") or {}).get("text") or ""
         choices = chunk.get("choices") or []
         if not choices:
             return ""
         if self.endpoint == "chat":
             return (choices[0].get("delta") or {}).get("content") or ""
         return choices[0].get("text") or ""
+
+    def _finish_reason(self, chunk: dict) -> str | None:
+        if self.endpoint == "messages":  # message_delta; max_tokens is chat's "length"
+            reason = (chunk.get("delta") or {}).get("stop_reason")
+            return "length" if reason == "max_tokens" else reason
+        return (chunk.get("choices") or [{}])[0].get("finish_reason")
 
     async def fill_missing_counts(self, requests: list[ServeRequest], results) -> None:
         """Counts for results without usage: a "length" finish means max_tokens tokens;

@@ -18,7 +18,8 @@ Each repeat runs every workload on the two engines back to back, alternating whi
 first, so load drifting on a shared machine hits both alike; each engine first runs an
 untimed warm-up of each workload. Reported: the median TPOT of each engine per workload,
 the speed-up (median TPOT without / with), the median of the per-repeat speed-ups (each a
-side-by-side pair), and the acceptance numbers of the timed runs.
+side-by-side pair), the acceptance numbers of the timed runs, and how many of the speculating
+engine's steps ran as one native call (decode, verify, prefill; GGUF path only).
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
             "cpu_model": cpu_model(),
             "torch_threads": torch.get_num_threads(),
             "speculative_config": dict(vars(engines["spec"].config.speculative_config)),
+            # steps of the engine with speculation that ran as one native call, by kind
+            "spec_native_steps": dict(engines["spec"].engine.model_runner.native_steps),
             "copy_prompt_tokens": len(copy_ids),
             "copy_json_prompt_tokens": len(json_ids),
             "input_len": args.input_len,

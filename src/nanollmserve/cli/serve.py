@@ -108,6 +108,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "<tool_call>{...}</tool_call>, Qwen, SmolLM2)",
     )
     group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="split a reasoning model's <think>...</think> into reasoning_content (chat) and "
+        "a reasoning item (responses); structured output then applies to the answer after "
+        "</think> (default: off, the thinking stays in the text)",
+    )
+    group.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="template variables of every chat that does not set them in chat_template_kwargs, "
+        "e.g. '{\"enable_thinking\": false}' (default: none)",
+    )
+    group.add_argument(
         "--grpc-port",
         type=int,
         default=None,
@@ -254,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     args.lora_modules = _lora_modules(args, config)
     args.cors = {name: _json_list(args, name) for name in CORS_FLAGS}
+    args.default_chat_template_kwargs = _chat_template_kwargs(args.default_chat_template_kwargs)
     _check_tls(args)
     if args.generation_config not in ("auto", "vllm"):
         from nanollmserve.generation_config import load_generation_defaults
@@ -316,6 +332,8 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         limits=limits_from_args(args),
         generation_defaults=generation_defaults,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,
         allowed_origins=args.cors["allowed_origins"],
@@ -457,6 +475,21 @@ def _json_list(args: argparse.Namespace, name: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise UserError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {raw}")
     return value
+
+
+def _chat_template_kwargs(raw: str | None) -> dict:
+    """`--default-chat-template-kwargs`: a JSON object held to the request field's limits."""
+    from nanollmserve.errors import ParamError
+    from nanollmserve.frontend.chat_template_kwargs import check_chat_template_kwargs
+
+    if raw is None:
+        return {}
+    flag = "--default-chat-template-kwargs"
+    try:
+        return check_chat_template_kwargs(json.loads(raw), flag)
+    except ValueError as exc:  # ParamError is one
+        message = str(exc) if isinstance(exc, ParamError) else f"{flag} must be JSON: {exc}"
+        raise UserError(message) from None
 
 
 def _check_tls(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ text. Construction loads the model and makes the one KV allocation, sized from
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from nanollmserve.engine.lora_manager import LoRAManager
 from nanollmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from nanollmserve.engine.model_loading import LoadedModel, load_engine_model
 from nanollmserve.engine.model_runner import ModelRunner
+from nanollmserve.engine.pooling import Pooler
 from nanollmserve.engine.request import Request, RequestStatus
 from nanollmserve.engine.scheduler import Scheduler
 from nanollmserve.engine.spec_decode.proposer import make_speculative_decoder
@@ -69,6 +71,8 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks(block_size)
         self.max_model_len = self._max_model_len(self.num_kv_blocks * block_size)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        # --runner pooling: prefill-only requests, their hidden states pooled (no sampling).
+        self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
         self.lora_manager = (
             LoRAManager(self.loaded.model, model_config, config.max_loras, config.max_lora_rank)
             if config.enable_lora
@@ -97,7 +101,8 @@ class EngineCore:
         num_prompt = len(core_request.prompt_token_ids)
         if not num_prompt:
             raise ValueError("prompt must not be empty")
-        if num_prompt >= self.max_model_len:
+        # A pooling request needs no room for output: a prompt of max_model_len fits.
+        if num_prompt >= self.max_model_len + (self.pooler is not None):
             raise ValueError(
                 f"prompt has {num_prompt} tokens, but the maximum context length is "
                 f"{self.max_model_len} tokens (KV pool: {self.num_kv_blocks} blocks of "
@@ -134,16 +139,24 @@ class EngineCore:
             if self.lora_manager is not None:
                 self.lora_manager.set_batch(scheduled.requests, scheduled.num_new_tokens)
             sampled = self._execute_model(scheduled)
-            outputs, step = self.scheduler.update_from_output(scheduled, sampled)
+            if self.pooler is not None:
+                outputs, step = self.pooler.update(self.scheduler, scheduled, sampled)
+            else:
+                outputs, step = self.scheduler.update_from_output(scheduled, sampled)
             self.counters.record_step(step)
         return EngineStepResult(outputs, self.stats())
 
     def _execute_model(self, scheduled):
+        """The sampled tokens of each request (or, pooling, its embedding once complete)."""
+        if self.pooler is not None:
+            execute = functools.partial(self.pooler.execute, self.model_runner)
+        else:
+            execute = self.model_runner.execute_model
         if self.tensor_parallel is None:
-            return self.model_runner.execute_model(scheduled)
+            return execute(scheduled)
         self.tensor_parallel.check_alive()
         try:
-            return self.model_runner.execute_model(scheduled)
+            return execute(scheduled)
         except Exception as exc:  # the ranks are out of step now: no retry can help
             raise self.tensor_parallel.fail(f"a tensor-parallel step failed: {exc!r}") from exc
 
@@ -176,14 +189,18 @@ class EngineCore:
 
     def _make_scheduler(self) -> None:
         config = self.config
+        # Pooling pools every prompt token's hidden state: a cached prefix would skip some.
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching and config.runner != "pooling",
         )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_loras=config.max_loras if config.enable_lora else 0,
+            policy=config.scheduling_policy,
         )
 
     # -- sizing ---------------------------------------------------------------------------

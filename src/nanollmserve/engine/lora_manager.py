@@ -26,6 +26,7 @@ from torch import nn
 from nanollmserve.engine.lora_adapter import SUPPORTED_TARGETS, LoRAAdapter, load_peft_adapter
 from nanollmserve.engine.request import Request
 from nanollmserve.errors import UserError
+from nanollmserve.layers.gguf_linear import GGUFLinear
 from nanollmserve.layers.lora import LoRABatch, LoRALinear
 from nanollmserve.model.model_config import ModelConfig
 
@@ -152,7 +153,7 @@ class LoRAManager:
             names.insert(index, hf_name)
         for path, module in list(model.named_modules()):
             parent_path, _, leaf = path.rpartition(".")
-            if leaf not in slices or not isinstance(module, nn.Linear):
+            if leaf not in slices or not isinstance(module, (nn.Linear, GGUFLinear)):
                 continue
             hf_names = slices[leaf]
             sizes = [out_sizes[n] for n in hf_names] if len(hf_names) > 1 else [module.out_features]

@@ -66,6 +66,11 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With the first token of a request that asked for them: one entry per prompt token
+    after the first (the prompt token first, then the top alternatives)."""
+    pooled: list[float] | None = None
+    """A pooling runner's embedding of the prompt (`engine/pooling.py`), with the finish."""
 
     @property
     def finished(self) -> bool:

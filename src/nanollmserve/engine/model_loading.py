@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from nanollmserve.config import EngineConfig
 from nanollmserve.errors import UserError
 from nanollmserve.layers.quantization import COMPUTE_DTYPES, GGUF_METHOD, quantize_model
 from nanollmserve.model.device import resolve_device, resolve_dtype
-from nanollmserve.model.loader import load_model
+from nanollmserve.model.loader import load_gguf_block_model, load_model
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.source import ModelSource, resolve_model
 
@@ -48,15 +49,23 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     if quantization in COMPUTE_DTYPES:
         dtype = quantization_dtype(config, quantization, dtype)
     model_config = ModelConfig.from_pretrained(source.path)
-    # A GGUF source's directory is our cache entry: it keeps the fused weights for later loads.
-    model = load_model(source.path, model_config, dtype, device, source.gguf_path is not None)
-    if quantization:
-        if device.type != "cpu":
-            raise UserError(f"--quantization {quantization} runs on the CPU only")
-        if quantization == GGUF_METHOD:
-            if not use_gguf_blocks(model, source, model_config, dtype, config.quantization):
-                quantization = None  # the default, on a file without 4-bit linear weights
-        else:
+    if quantization and device.type != "cpu":
+        raise UserError(f"--quantization {quantization} runs on the CPU only")
+    blocks = None
+    if quantization == GGUF_METHOD:
+        blocks = gguf_blocks_to_run(source, model_config, config.quantization)
+        if blocks is None:
+            quantization = None  # the default, on a file without 4-bit linear weights
+    model = gguf_block_model(source, model_config, blocks) if blocks else None
+    if model is None:
+        # A GGUF source's directory is our cache entry: it keeps the fused weights for later loads.
+        model = load_model(source.path, model_config, dtype, device, source.gguf_path is not None)
+        if blocks:
+            from nanollmserve.layers.gguf_linear import apply_gguf_blocks
+
+            replaced = apply_gguf_blocks(model, blocks)
+            logger.info("%d linear layers run their GGUF blocks, the others dense", replaced)
+        elif quantization:
             quantize_model(model, quantization)
     seconds = time.perf_counter() - start
     logger.info(
@@ -70,7 +79,8 @@ def resolve_quantization(config: EngineConfig, source: ModelSource, device: torc
     """`--quantization` as given ("none": off); unset, a GGUF model on the CPU with `--dtype
     auto` runs its own 4-bit blocks (`gguf`: about twice the float32 single-stream speed, the
     same greedy answers; docs/benchmarks.md), unless a feature that does not support it yet
-    (tensor parallelism, LoRA) is on. `--dtype X` or `--quantization none` give the
+    (tensor parallelism) is on; LoRA deltas run beside the block matmuls. `--dtype X` or
+    `--quantization none` give the
     dequantized weights in that dtype."""
     if config.quantization is not None:
         return None if config.quantization == "none" else config.quantization
@@ -79,7 +89,6 @@ def resolve_quantization(config: EngineConfig, source: ModelSource, device: torc
         and source.gguf_path is not None
         and config.dtype == "auto"
         and config.tensor_parallel_size == 1
-        and not config.enable_lora
     ):
         return GGUF_METHOD
     return None
@@ -97,17 +106,13 @@ def quantization_dtype(config: EngineConfig, method: str, dtype: torch.dtype) ->
     return required
 
 
-def use_gguf_blocks(
-    model: nn.Module,
-    source: ModelSource,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    asked: str | None,
-) -> bool:
-    """`gguf`: the linear layers run the GGUF file's own quantized blocks through the native
-    kernels -> False when the file has none or the kernels cannot run here and `--quantization
-    gguf` was not `asked` for (else that is a UserError)."""
-    from nanollmserve.layers.gguf_linear import apply_gguf_blocks
+def gguf_blocks_to_run(
+    source: ModelSource, model_config: ModelConfig, asked: str | None
+) -> dict | None:
+    """`gguf`: the GGUF file's own quantized blocks (weight name -> `BlockRows`) that the
+    linear layers run through the native kernels -> None when the file has none or the
+    kernels cannot run here and `--quantization gguf` was not `asked` for (else that is a
+    UserError)."""
     from nanollmserve.model.gguf_cache import cached_gguf_blocks
     from nanollmserve.native.build import kernels_unavailable_reason
 
@@ -116,21 +121,48 @@ def use_gguf_blocks(
             f"--quantization {GGUF_METHOD} runs a GGUF file's blocks: give the bundled model or "
             f"a *.gguf file, not {source.description}"
         )
+    # On a first start the compiler runs while the blocks are laid out (two ~1.5 s steps).
+    with ThreadPoolExecutor(1, thread_name_prefix="native-build") as pool:
+        pool.submit(_prebuild_kernels)
+        blocks = cached_gguf_blocks(source.path, source.gguf_path, model_config)
     reason = kernels_unavailable_reason()
     if reason is not None:
         if asked is None:
             logger.warning("running the dequantized weights: %s", reason)
-            return False
+            return None
         raise UserError(f"--quantization {GGUF_METHOD} needs the native kernels: {reason}")
-    blocks = cached_gguf_blocks(source.path, source.gguf_path, model_config)
     if not any(name != "lm_head.weight" for name in blocks):
         if asked is None:
-            return False
+            return None
         raise UserError(
             f"--quantization {GGUF_METHOD}: {source.gguf_path.name} stores no linear weight as "
             "Q4_0, Q4_1 or Q8_0 blocks (other block types run dequantized: leave --quantization "
             "unset)"
         )
-    replaced = apply_gguf_blocks(model, blocks)
-    logger.info("%d linear layers run their GGUF blocks", replaced)
-    return True
+    return blocks
+
+
+def _prebuild_kernels() -> None:
+    """Compile this CPU's native library if it is not in the cache yet; a failure is left for
+    `kernels_unavailable_reason` to report."""
+    from nanollmserve.native.build import build_library
+
+    try:
+        build_library()
+    except Exception:  # noqa: BLE001 (reported by the load that follows)
+        logger.debug("prebuilding the native kernels failed", exc_info=True)
+
+
+def gguf_block_model(source: ModelSource, model_config: ModelConfig, blocks: dict):
+    """The model on `blocks` and the file's other tensors, no dense weight converted or read
+    (`load_gguf_block_model`) -> None when some linear weight has no blocks: the caller loads
+    the dense weights and replaces the layers that have them."""
+    from nanollmserve.model.gguf_cache import cached_unblocked_tensors
+
+    def read_unblocked() -> dict:
+        return cached_unblocked_tensors(source.path, source.gguf_path, model_config)
+
+    model = load_gguf_block_model(model_config, blocks, read_unblocked)
+    if model is not None:
+        logger.info("every linear layer runs its GGUF blocks (no dense weights converted)")
+    return model

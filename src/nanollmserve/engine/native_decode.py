@@ -1,18 +1,24 @@
-"""The single-stream decode step in one native call: what CUDA graphs are to vLLM's decode.
+"""One sequence's step in one native call: what CUDA graphs are to vLLM's decode.
 
-A decode step of one sequence is ~1000 small operator calls in PyTorch (norms, rotary, the K/V
-write and gather, SDPA, 120 matmuls, residual adds); at one token their dispatch costs more
-than their arithmetic. With the weights in GGUF blocks (`--quantization gguf`), the whole step
-(token id to logits) runs as `nls_decode_step` in `native/gguf_cpu.c`: the same layers, the
-same paged KV cache (written and read in place through the block table), the same block
-kernels as the `GGUFLinear` layers.
+A step of a few tokens of one sequence is ~1000 small operator calls in PyTorch (norms,
+rotary, the K/V write and gather, SDPA, 120 matmuls, residual adds); at a few tokens their
+dispatch costs more than their arithmetic. With the weights in GGUF blocks
+(`--quantization gguf`), the whole step (token ids to logits) runs as `nls_decode_step` in
+`native/gguf_cpu.c` (through `native/ops.py`'s `decode_step`): the same layers, the same
+paged KV cache (written and read in place through the block table), the same block kernels
+as the `GGUFLinear` layers. It runs T
+consecutive tokens of one sequence at positions p..p+T-1, token i attending to positions
+<= p+i, the T rows through each matrix together, and returns the logits of the tokens asked
+for: T = 1 is a single-stream decode step, T = k + 1 a speculative verify step (logits at
+every position), and a short prefill chunk of one request asks for the last token's only.
 
-`NativeDecodeStep.for_model` builds it when the model is a Llama-family decoder (Llama,
-Mistral, Qwen2, Qwen3) in float32 on the CPU, on one rank, with every projection a
-`GGUFLinear` (so not under LoRA) and head_dim a multiple of 8 up to 256; otherwise
-it returns None and every step runs the PyTorch forward. The model runner uses it for steps
-that are exactly one decode token of one request without draft tokens; everything after the
-logits (grammar masks, sampling, logprobs) is unchanged.
+The step is built from the model's own declaration (`model.native_decoder()`,
+`model/native_decoder.py`), never from its internals: a model that cannot declare itself
+(an option the native layer lacks, projections not in GGUF blocks, tensor parallelism)
+is refused at load with that reason logged, and so is a declaration outside the kernels'
+limits (head_dim a multiple of 8 up to 256) or a build without the kernels; every step then
+runs the PyTorch forward. The model runner decides which steps run here; everything after
+the logits (grammar masks, sampling, logprobs) is unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import logging
 import torch
 from torch import nn
 
-from nanollmserve.layers.gguf_linear import GGUFLinear
+from nanollmserve.model.native_decoder import NativeDecoder, NotNativeError
+from nanollmserve.native.ops import decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -70,135 +77,114 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-class NativeDecodeStep:
-    """`step(token_id, position, block_ids)` -> float32 logits [1, vocab] of that token."""
+def _layer_struct(layer) -> _Layer:
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    return _Layer(
+        *(p.kind for p in projections),
+        *(_ptr(p.tiles) for p in projections),
+        _ptr(layer.qkv.bias), _ptr(layer.o.bias), _ptr(layer.input_norm), _ptr(layer.post_norm),
+        _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.k_cache), _ptr(layer.v_cache),
+    )  # fmt: skip
 
-    def __init__(self, model: nn.Module, library, max_context: int) -> None:
-        config = model.config
-        decoder = model.model
-        layers = decoder.layers
-        attention = layers[0].self_attn
-        self._library = library
+
+def _kernel_limits(decoder: NativeDecoder) -> str | None:
+    """Why the kernels cannot run this declaration, or None."""
+    if decoder.head_dim % 8 or decoder.head_dim > _MAX_HEAD_DIM:
+        return f"head_dim {decoder.head_dim} is not a multiple of 8 up to {_MAX_HEAD_DIM}"
+    if decoder.num_heads % decoder.num_kv_heads:
+        return f"{decoder.num_heads} query heads do not group over {decoder.num_kv_heads} KV heads"
+    if decoder.layers[0].k_cache.numel() == 0:
+        return "the KV cache is not bound"
+    return None
+
+
+class NativeDecodeStep:
+    """`step(token_ids, position, block_ids, num_logits)` -> float32 logits [num_logits, vocab]
+    of the last `num_logits` of those consecutive tokens."""
+
+    def __init__(self, decoder: NativeDecoder, model: nn.Module, max_context: int) -> None:
         self._model = model  # keeps every tensor the structures point into alive
-        self._layers = (_Layer * len(layers))()
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q_norm = getattr(attn, "q_norm", None) if attn.qk_norm else None
-            k_norm = getattr(attn, "k_norm", None) if attn.qk_norm else None
-            self._layers[i] = _Layer(
-                attn.qkv_proj.kind, attn.o_proj.kind, mlp.gate_up_proj.kind, mlp.down_proj.kind,
-                _ptr(attn.qkv_proj.tiles), _ptr(attn.o_proj.tiles),
-                _ptr(mlp.gate_up_proj.tiles), _ptr(mlp.down_proj.tiles),
-                _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.bias),
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(None if q_norm is None else q_norm.weight),
-                _ptr(None if k_norm is None else k_norm.weight),
-                _ptr(attn.attn.k_cache), _ptr(attn.attn.v_cache),
-            )  # fmt: skip
-        lm_head = model.lm_head if isinstance(model.lm_head, GGUFLinear) else None
-        rope = decoder.rotary_emb.cos_sin_cache
-        self.vocab_size = config.vocab_size
-        self.block_size = attention.attn.k_cache.shape[1]
-        self.num_blocks = attention.attn.k_cache.shape[0]
-        self.max_context = min(max_context, rope.shape[0])
+        self._decoder = decoder
+        self._layers = (_Layer * len(decoder.layers))(*map(_layer_struct, decoder.layers))
+        k_cache = decoder.layers[0].k_cache
+        lm_head = decoder.lm_head
+        self.vocab_size = decoder.vocab_size
+        self.block_size = k_cache.shape[1]
+        self.num_blocks = k_cache.shape[0]
+        self.max_context = min(max_context, decoder.rope.shape[0])
         self._returns_logits = lm_head is not None
         self._struct = _Model(
-            config.hidden_size, config.intermediate_size, attention.num_heads,
-            attention.num_kv_heads, attention.head_dim, len(layers), config.vocab_size,
+            decoder.hidden_size, decoder.intermediate_size, decoder.num_heads,
+            decoder.num_kv_heads, decoder.head_dim, len(decoder.layers), decoder.vocab_size,
             self.block_size, 0 if lm_head is None else lm_head.kind,
-            self.max_context, self.num_blocks, config.rms_norm_eps, attention.attn.scale,
-            _ptr(decoder.embed_tokens.weight), _ptr(decoder.norm.weight), _ptr(rope),
+            self.max_context, self.num_blocks, decoder.rms_norm_eps, decoder.attn_scale,
+            _ptr(decoder.embed), _ptr(decoder.final_norm), _ptr(decoder.rope),
             _ptr(None if lm_head is None else lm_head.tiles),
             ctypes.cast(self._layers, ctypes.c_void_p),
         )  # fmt: skip
-        self._struct_ref = ctypes.byref(self._struct)
-        scratch_bytes = library.nls_decode_scratch_bytes(self._struct_ref)
-        self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
 
     @classmethod
     def for_model(cls, model: nn.Module, max_context: int) -> NativeDecodeStep | None:
-        """The fused step for `model`, or None when it cannot run it (module docstring)."""
-        from nanollmserve.distributed.parallel_state import get_tp_size
-        from nanollmserve.model.llama import LlamaForCausalLM
-
-        if not isinstance(model, LlamaForCausalLM) or get_tp_size() != 1:
+        """The native step for `model`, or None (the reason logged) when it cannot run it."""
+        declare = getattr(model, "native_decoder", None)
+        if declare is None:
+            logger.info("%s declares no native decoder; steps run in PyTorch", type(model).__name__)
             return None
-        from nanollmserve.native.build import load_kernels
-
-        library = load_kernels()
-        decoder = model.model
-        embed = decoder.embed_tokens.weight
-        attention = decoder.layers[0].self_attn
-        projections = [
-            module
-            for layer in decoder.layers
-            for module in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
-        if (
-            library is None
-            or embed.dtype != torch.float32
-            or embed.device.type != "cpu"
-            or not all(isinstance(p, GGUFLinear) for p in projections)
-            or attention.head_dim % 8
-            or attention.head_dim > _MAX_HEAD_DIM
-            or attention.attn.k_cache.numel() == 0
-        ):
+        try:
+            decoder = declare()
+        except NotNativeError as reason:
+            logger.info("steps run in PyTorch, not as one native call: %s", reason)
             return None
-        mlps = [layer.mlp for layer in decoder.layers]
-        if any(m.gate_up_proj.bias is not None or m.down_proj.bias is not None for m in mlps):
-            # The C layer has no MLP bias: the PyTorch forward (which adds it) decodes instead.
-            logger.info("the native decode step has no MLP bias; decoding with PyTorch")
-            return None
-        logger.info("single-stream decode steps run as one native call (GGUF blocks)")
-        return cls(model, library, max_context)
+        reason = _kernel_limits(decoder)
+        if reason is None:
+            from nanollmserve.native.build import kernels_unavailable_reason, load_kernels
 
-    def __call__(self, token_id: int, position: int, block_ids: list[int]) -> torch.Tensor:
+            reason = None if load_kernels() is not None else kernels_unavailable_reason()
+        if reason is not None:
+            logger.info("steps run in PyTorch, not as one native call: %s", reason)
+            return None
+        logger.info("one sequence's decode and verify steps run as one native call (GGUF blocks)")
+        return cls(decoder, model, max_context)
+
+    def __call__(
+        self, token_ids: list[int], position: int, block_ids: list[int], num_logits: int = 1
+    ) -> torch.Tensor:
         """Raises ValueError, before any native code runs, for a token id outside the
-        vocabulary, a position outside [0, max_context), or a block table that does not
-        reach `position` or names a block outside the KV pool (the C checks them again)."""
-        self._check(token_id, position, block_ids)
-        block_table = torch.tensor(block_ids, dtype=torch.int64)
-        out = torch.empty(
-            1, self.vocab_size if self._returns_logits else self._model.config.hidden_size
-        )
-        status = self._library.nls_decode_step(
-            self._struct_ref,
-            token_id,
+        vocabulary, positions outside [0, max_context), a block table that does not reach the
+        last position or names a block outside the KV pool, or a `num_logits` outside
+        [0, len(token_ids)] (`ops.decode_step` and the C check them again)."""
+        self._check(token_ids, position, block_ids, num_logits)
+        width = self.vocab_size if self._returns_logits else self._decoder.hidden_size
+        out = torch.empty(num_logits, width)
+        decode_step(
+            self._struct,
+            torch.tensor(token_ids, dtype=torch.int64),
             position,
-            block_table.data_ptr(),
-            self._scratch.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
+            torch.tensor(block_ids, dtype=torch.int64),
+            len(token_ids) - num_logits,
+            out,
         )
-        if status != 0:
-            reason = _STATUS_REASONS.get(status, f"status {status}")
-            raise ValueError(f"native decode step refused token {token_id} at {position}: {reason}")
-        return out if self._returns_logits else self._model.compute_logits(out)
+        if self._returns_logits or num_logits == 0:
+            return out
+        return self._model.compute_logits(out)
 
-    def _check(self, token_id: int, position: int, block_ids: list[int]) -> None:
-        if not 0 <= token_id < self.vocab_size:
+    def _check(
+        self, token_ids: list[int], position: int, block_ids: list[int], num_logits: int
+    ) -> None:
+        if not token_ids:
+            raise ValueError("the native step needs at least one token")
+        if not 0 <= num_logits <= len(token_ids):
+            raise ValueError(f"num_logits {num_logits} is outside [0, {len(token_ids)}]")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        last = position + len(token_ids) - 1
+        if position < 0 or last >= self.max_context:
+            raise ValueError(f"positions {position}..{last} are outside [0, {self.max_context})")
+        used = block_ids[: last // self.block_size + 1]
+        if len(used) <= last // self.block_size:
             raise ValueError(
-                f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if not 0 <= position < self.max_context:
-            raise ValueError(f"position {position} is outside [0, {self.max_context})")
-        used = block_ids[: position // self.block_size + 1]
-        if len(used) <= position // self.block_size:
-            raise ValueError(
-                f"a block table of {len(block_ids)} blocks does not reach position {position}"
+                f"a block table of {len(block_ids)} blocks does not reach position {last}"
             )
         if min(used) < 0 or max(used) >= self.num_blocks:
             raise ValueError(f"block table {used} names a block outside [0, {self.num_blocks})")
-
-
-# What `nls_decode_step`'s error statuses mean (NLS_BAD_* in native/gguf_cpu.c).
-_STATUS_REASONS = {
-    -2: "position out of range",
-    -3: "token id outside the vocabulary",
-    -4: "block id outside the KV pool",
-}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.engine.messages import EngineCoreRequest, TokenLogprobs
 from nanollmserve.engine.structured_output import GrammarState
 
 if TYPE_CHECKING:
@@ -68,7 +68,11 @@ class Request:
         self.min_tokens_blocked_ids = tuple(sorted(self.eos_token_ids | self.stop_token_ids))
         self.max_tokens = max_tokens
         # Structured output: advanced by every appended token; its end finishes the request.
-        self.grammar = GrammarState(core_request.grammar) if core_request.grammar else None
+        self.grammar = None
+        if core_request.grammar:
+            structured = params.structured_outputs
+            thinking = structured.after_thinking if structured is not None else None
+            self.grammar = GrammarState(core_request.grammar, thinking)
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -86,6 +90,17 @@ class Request:
         self.generator: torch.Generator | None = None
         # The LoRA adapter it runs with (None: the base model), set by EngineCore.
         self.lora: LoRAAdapter | None = None
+        # With `prompt_logprobs`: entry i is prompt token i + 1's, filled by the model runner
+        # as the prompt's chunks run (a resume after preemption adds none).
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and the runner has not computed them all yet."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def lora_id(self) -> int:

@@ -10,6 +10,17 @@ When the pool has no block for a running request, the newest running request is 
 its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 later (its computed blocks often survive in the prefix cache).
 
+Scheduling policy (`--scheduling-policy`): under `fcfs` requests are served in arrival order
+and `SamplingParams.priority` is 0. Under `priority` the order is (priority, arrival time),
+lower first, everywhere: the running requests get the budget in that order, the waiting one
+admitted next is the first in that order, the running one preempted for lack of blocks is
+the last in it, and a waiting request that finds the pool (or `max_num_seqs`) full preempts
+running requests later in that order than itself, even ones already scheduled this step.
+
+Prompt logprobs: a request that wants them computes its whole prompt (no prefix-cache hit),
+and the model runner fills `Request.prompt_logprobs` chunk by chunk; they go out with the
+request's first token.
+
 Speculative decoding: a running request may carry draft tokens (`Request.spec_token_ids`, set
 by the proposer before the step); it is budgeted its last token plus the drafts (fewer drafts
 if the budget is short) and gets KV slots for all of them. After the step, the positions of
@@ -73,8 +84,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         self.kv_cache = kv_cache
+        self.by_priority = policy == "priority"
+        self._first_preempted_key: tuple[int, float] = (0, 0.0)
+        """The smallest `_priority_key` among the requests preempted this step."""
         self.max_loras = max_loras
         """Most distinct LoRA adapters among the running requests (their slots)."""
         self.max_num_seqs = max_num_seqs
@@ -95,6 +110,8 @@ class Scheduler:
         out = SchedulerOutput(peak_used_blocks=self.kv_cache.num_used_blocks)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        if self.by_priority:  # the budget goes in priority order; the last is the victim
+            self.running.sort(key=_priority_key)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -104,9 +121,8 @@ class Scheduler:
             num_new = min(num_left + len(drafts), budget)
             drafts = drafts[: max(0, num_new - num_left)]
             while not self._allocate(out, request, num_new):
-                victim = self.running.pop()  # the newest running request
-                self._preempt(victim)
-                out.num_preempted += 1
+                victim = self.running.pop()  # the newest (under priority: the last) one
+                self._preempt(victim, out)
                 if victim is request:
                     break
             else:
@@ -116,22 +132,28 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # Admit waiting requests only when nothing had to be preempted this step.
-        while (
-            self.waiting
-            and budget > 0
-            and not out.num_preempted
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
+        # Admit waiting requests only when nothing had to be preempted this step; under
+        # priority, those that come before every request preempted this step still are.
+        while self.waiting and budget > 0:
+            request = self._next_waiting()
+            if out.num_preempted and not (
+                self.by_priority and _priority_key(request) < self._first_preempted_key
+            ):
+                break
             if not self._has_lora_slot(request):
                 break
-            computed_blocks = self.kv_cache.get_computed_blocks(request)
+            computed_blocks = self._computed_blocks(request)
             num_computed = len(computed_blocks) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if not self._allocate(out, request, num_new, computed_blocks):
-                break
-            self.waiting.popleft()
+            if len(self.running) >= self.max_num_seqs or not self._allocate(
+                out, request, num_new, computed_blocks
+            ):
+                freed = self._preempt_for(request, out, scheduled)
+                if freed is None:
+                    break
+                budget += freed
+                continue
+            self.waiting.remove(request)
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:  # first admission (not a resume)
                 request.num_cached_tokens = num_computed
@@ -151,6 +173,42 @@ class Scheduler:
         out.block_ids = [self.kv_cache.block_ids(r.request_id) for r in out.requests]
         out.num_decodes = sum(1 for n in out.num_new_tokens if n == 1)
         return out
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next: the first to arrive (or be preempted), or
+        under priority the first in (priority, arrival) order."""
+        if self.by_priority:
+            return min(self.waiting, key=_priority_key)
+        return self.waiting[0]
+
+    def _computed_blocks(self, request: Request):
+        """The prefix-cache blocks a request starts from; none while it still needs prompt
+        logprobs, which only a computed position gives."""
+        if request.needs_prompt_logprobs:
+            return ()
+        return self.kv_cache.get_computed_blocks(request)
+
+    def _preempt_for(
+        self, request: Request, out: SchedulerOutput, scheduled: list[tuple[Request, int]]
+    ) -> int | None:
+        """Under priority, make room for a waiting `request`: preempt the last running
+        request in priority order if it comes after `request` (taking it out of this step
+        if it was scheduled). Returns the budget that gives back (None: nothing to preempt)."""
+        if not self.by_priority or not self.running:
+            return None
+        victim = max(self.running, key=_priority_key)
+        if _priority_key(victim) <= _priority_key(request):
+            return None
+        self.running.remove(victim)
+        freed = 0
+        for i, (scheduled_request, num_new) in enumerate(scheduled):
+            if scheduled_request is victim:
+                del scheduled[i]
+                out.spec_token_ids.pop(victim.request_id, None)
+                freed = num_new
+                break
+        self._preempt(victim, out)
+        return freed
 
     def _has_lora_slot(self, request: Request) -> bool:
         """A request with a LoRA adapter runs only while its adapter has a slot: it is
@@ -228,13 +286,18 @@ class Scheduler:
         if request.last_token_time is not None:
             step.inter_token_latencies.append(now - request.last_token_time)
         request.last_token_time = now
-        if request.num_output_tokens == len(new_token_ids):
+        prompt_logprobs = None
+        if request.num_output_tokens == len(new_token_ids):  # its first tokens
             step.num_prompt_tokens += request.num_prompt_tokens
+            if request.sampling_params.prompt_logprobs is not None:
+                prompt_logprobs = request.prompt_logprobs
         if status is not None:
             self.finish(request, status)
-        return self._output(
+        output = self._output(
             request, new_token_ids, new_logprobs if new_logprobs and new_logprobs[0] else None
         )
+        output.prompt_logprobs = prompt_logprobs
+        return output
 
     def _fail(self, request: Request) -> EngineCoreOutput:
         """End one request with FINISHED_ERROR (its blocks go back); the step goes on."""
@@ -279,10 +342,19 @@ class Scheduler:
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        out.num_preempted += 1
+        key = _priority_key(request)
+        if out.num_preempted == 1 or key < self._first_preempted_key:
+            self._first_preempted_key = key
         self.kv_cache.free(request)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Scheduling order under the priority policy: lower priority value first, then arrival."""
+    return request.sampling_params.priority, request.arrival_time

@@ -15,6 +15,11 @@ one batched token bitmask applied to the logits before sampling.
   its first j drafts (one batched fill per j, the matchers advanced through the drafts in
   between, then rolled back); a row after a draft that ended the grammar stays unmasked (the
   request stops at that draft, so the row's token is never used).
+- A grammar with a `ThinkingSpan` (a reasoning model's answer, vLLM's behaviour) waits
+  while the model thinks: unmasked rows, no tokens to the matcher, until `</think>`. Before
+  the first token the mask is the grammar's plus `<think>` (the output may open its
+  thinking or start its answer). Drafts are kept only up to the phase change, so every
+  masked row is in one phase.
 """
 
 from __future__ import annotations
@@ -28,21 +33,48 @@ from nanollmserve.engine.token_bitmask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from nanollmserve.engine.request import Request
+    from nanollmserve.structured_outputs import ThinkingSpan
+
+_BEFORE, _THINKING, _ANSWER = "before", "thinking", "answer"
 
 
 class GrammarState:
     """One request's position in its grammar."""
 
-    def __init__(self, compiled_grammar: Any) -> None:
+    def __init__(self, compiled_grammar: Any, thinking: ThinkingSpan | None = None) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled_grammar)
         self.num_accepted = 0
         self.num_rejected = 0
+        self.thinking = thinking
+        if thinking is None:
+            self.phase = _ANSWER
+        else:
+            self.phase = _THINKING if thinking.open_at_start else _BEFORE
+
+    @property
+    def constrains_next(self) -> bool:
+        """The next token is masked (not inside the thinking)."""
+        return self.phase != _THINKING
+
+    @property
+    def may_open_thinking(self) -> bool:
+        """The next token may be `<think>` besides what the grammar allows."""
+        return self.phase == _BEFORE
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it (the mask
         makes that impossible unless every token was masked), which ends the request."""
+        if self.phase == _THINKING:
+            if token_id == self.thinking.end_token_id:
+                self.phase = _ANSWER
+            return True
+        if self.phase == _BEFORE:
+            if token_id == self.thinking.start_token_id:
+                self.phase = _THINKING
+                return True
+            self.phase = _ANSWER
         accepted = self.matcher.accept_token(token_id)
         if accepted:
             self.num_accepted += 1
@@ -53,7 +85,13 @@ class GrammarState:
     def num_valid(self, token_ids: list[int]) -> int:
         """How many leading `token_ids` the grammar allows from here (speculative drafts: a
         draft the grammar refuses could never be sampled, nor could any draft after it). The
-        state is unchanged afterwards."""
+        state is unchanged afterwards. While thinking, the drafts before `</think>` are
+        valid; before the first token, none (the phase changes there)."""
+        if self.phase == _BEFORE:
+            return 0
+        if self.phase == _THINKING:
+            end = self.thinking.end_token_id
+            return token_ids.index(end) if end in token_ids else len(token_ids)
         num = 0
         for token_id in token_ids:
             if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
@@ -90,7 +128,9 @@ class GrammarBitmask:
         their grammar allows next stay finite. `requests[i]` is row i's request; with
         speculative decoding, `drafts[i]` is the drafts before row i (a request with k drafts
         d has rows with d[:0], d[:1], ..., d[:k]: consecutive, in that order)."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        rows = [
+            i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.constrains_next
+        ]
         if not rows:
             return logits
         num_rows, vocab_size = logits.shape
@@ -99,6 +139,10 @@ class GrammarBitmask:
             self._fill(bitmask, requests, rows)
         else:
             rows = self._fill_drafts(bitmask, requests, drafts, rows)
+        for i in rows:
+            grammar = requests[i].grammar
+            if grammar.may_open_thinking:
+                _allow(bitmask, i, grammar.thinking.start_token_id)
         if rows:
             apply_token_bitmask(logits, bitmask, rows)
         return logits
@@ -158,3 +202,10 @@ class GrammarBitmask:
             buffer = self._xgrammar.allocate_token_bitmask(max(num_rows, 8), vocab_size)
             self._buffer = buffer
         return buffer[:num_rows]
+
+
+def _allow(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set `token_id`'s bit in `row` of an XGrammar bitmask (32 tokens per int32 word)."""
+    word, bit = divmod(token_id, 32)
+    value = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32: bit 31 is the sign
+    bitmask[row, word] |= value

@@ -92,6 +92,8 @@ class EngineInfo:
     quantization: str | None
     model_dir: str = ""
     """The HF directory the weights come from (generation_config.json, ...)."""
+    runner: str = "generate"
+    """generate, or pooling: the engine embeds prompts (/v1/embeddings) and generates nothing."""
 
 
 class RequestStream:
@@ -178,9 +180,13 @@ class AsyncEngine:
             dtype=str(core.dtype).removeprefix("torch."),
             quantization=core.loaded.quantization,
             model_dir=str(core.loaded.model_dir),
+            runner=config.runner,
         )
         self.tokenizer = self.engine_loop.tokenizer
         self.chat_template = chat_template
+        self.default_chat_template_kwargs: dict = {}
+        """Template variables of every chat that does not set them itself
+        (`--default-chat-template-kwargs`)."""
         self.max_model_len = self.info.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_queue_len = max_queue_len
@@ -191,6 +197,8 @@ class AsyncEngine:
             self.info.vocab_size,
             core.eos_token_ids,
             grammar_limits=grammar_limits,
+            scheduling_policy=config.scheduling_policy,
+            pooling=config.runner == "pooling",
         )
         self.grammar_pool = GrammarCompilePool(
             self.input_processor.grammar_compiler, grammar_limits
@@ -255,12 +263,14 @@ class AsyncEngine:
         return await self._off_loop(self.input_processor.tokenize, prompt)
 
     async def chat_token_ids(
-        self, messages: list[dict], tools: list[dict] | None = None
+        self, messages: list[dict], tools: list[dict] | None = None, **options
     ) -> list[int]:
         """Render messages (and function `tools`) with the chat template; a template error
-        is a ParamError. A full server refuses (EngineOverloadedError) before rendering."""
+        is a ParamError. A full server refuses (EngineOverloadedError) before rendering.
+        `options`: `add_generation_prompt`, `continue_final_message` and `template_kwargs`
+        of `chat_prompt_token_ids` (the latter over `default_chat_template_kwargs`)."""
         self._check_capacity(1)
-        return await self._off_loop(self._chat_token_ids, messages, tools)
+        return await self._off_loop(self._chat_token_ids, messages, tools, options)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._off_loop(self._detokenize, token_ids)
@@ -273,14 +283,17 @@ class AsyncEngine:
         request_id: str | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
         lora_name: str | None = None,
+        pooling: bool = False,
     ) -> RequestStream:
         """Tokenize (off the event loop), validate and admit a request and return its
         stream. Raises ParamError/ValueError (bad input), EngineOverloadedError (queue full)
         or EngineDeadError (stopped) here, before any output, so a server can still answer
         with an error status. `request_id`: the engine's key, made by the server (a
         client's id is only echoed: keys must be unique, `n` children take `id#i`).
-        `lora_name`: a loaded LoRA adapter to run with."""
+        `lora_name`: a loaded LoRA adapter to run with. `pooling`: an embedding request
+        (its output's `embedding`), which only a pooling engine takes, and it takes no other."""
         self._check_accepting()
+        self._check_runner(pooling)
         params = self.request_policy.apply(params)  # every frontend's requests, before work
         request_id = request_id or f"req-{next(self._ids)}"
         if lora_name is not None and lora_name not in self.lora_adapters():
@@ -420,17 +433,40 @@ class AsyncEngine:
         self.input_processor.validate(token_ids, params)
         return prompt_text, token_ids
 
-    def _chat_token_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _chat_token_ids(
+        self, messages: list[dict], tools: list[dict] | None, options: dict
+    ) -> list[int]:
         import jinja2
 
+        options = dict(options)
+        options["template_kwargs"] = {
+            **self.default_chat_template_kwargs,
+            **(options.get("template_kwargs") or {}),
+        }
         try:
-            return chat_prompt_token_ids(self.tokenizer, messages, self.chat_template, tools)
+            return chat_prompt_token_ids(
+                self.tokenizer, messages, self.chat_template, tools, **options
+            )
         except jinja2.TemplateError as exc:
             raise ParamError(f"messages: the chat template failed: {exc}", "messages") from None
 
     def _detokenize(self, token_ids: list[int]) -> str:
         self.input_processor.tokenize(token_ids)  # validates the ids
         return self.tokenizer.decode(token_ids)
+
+    def _check_runner(self, pooling: bool) -> None:
+        if pooling and self.info.runner != "pooling":
+            raise ParamError(
+                "this server generates text: embeddings need a server started with "
+                "--runner pooling (or --task embed)",
+                "model",
+            )
+        if not pooling and self.info.runner == "pooling":
+            raise ParamError(
+                "this server embeds (--runner pooling): it serves /v1/embeddings, not text "
+                "generation; start another without --runner pooling to generate",
+                "model",
+            )
 
     def _check_accepting(self) -> None:
         if not self.is_accepting:

@@ -25,9 +25,15 @@ class InputProcessor:
         vocab_size: int,
         stop_token_ids=frozenset(),
         grammar_limits: StructuredOutputLimits | None = None,
+        scheduling_policy: str = "fcfs",
+        pooling: bool = False,
     ) -> None:
-        """`grammar_limits`: the size limits of a request's grammar (None: none, offline)."""
+        """`grammar_limits`: the size limits of a request's grammar (None: none, offline).
+        `scheduling_policy`: the engine's; under fcfs a non-zero `priority` is refused.
+        `pooling`: the engine pools (`runner="pooling"`): a prompt needs no room for output."""
         self.tokenizer = tokenizer
+        self.pooling = pooling
+        self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # Structured output ends on the model's stop tokens (its EOS ids).
@@ -90,11 +96,18 @@ class InputProcessor:
         return requests
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            raise ParamError(
+                f"priority is {params.priority}, but this server schedules "
+                f"{self.scheduling_policy}: start it with --scheduling-policy priority",
+                "priority",
+            )
         num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
+        if num_prompt >= self.max_model_len + self.pooling:
             raise ParamError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the "
-                f"prompt has {num_prompt} tokens, leaving no room for output.",
+                f"prompt has {num_prompt} tokens"
+                + ("." if self.pooling else ", leaving no room for output."),
                 "prompt",
             )
         if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:

@@ -26,6 +26,7 @@ from nanollmserve.outputs import (
     CompletionOutput,
     Logprob,
     OutputKind,
+    PromptLogprobs,
     RequestMetrics,
     RequestOutput,
 )
@@ -53,6 +54,7 @@ class ChildState:
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
         self.finish_sent = False
+        self.embedding: list[float] | None = None  # a pooling engine's, with the finish
 
     def add(self, out: EngineCoreOutput) -> bool:
         """Take one engine output; True when a stop string finished this child here. Stop
@@ -70,6 +72,8 @@ class ChildState:
                 and self._find_stop_string(text_len_before)
             ):
                 return not out.finished
+        if out.pooled is not None:
+            self.embedding = out.pooled
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return False
@@ -89,6 +93,7 @@ class ChildState:
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob,
+            embedding=self.embedding,
         )
 
     def delta(self) -> CompletionOutput | None:
@@ -111,6 +116,7 @@ class ChildState:
             stop_reason=self.stop_reason,
             logprobs=self.logprobs[first:] if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob,
+            embedding=self.embedding,
         )
 
     def _find_stop_string(self, text_len_before: int) -> bool:
@@ -130,15 +136,18 @@ class ChildState:
         return True
 
     def _add_logprobs(self, entry: TokenLogprobs) -> None:
-        decoded = {}
-        for token_id, logprob, rank in zip(
-            entry.token_ids, entry.logprobs, entry.ranks, strict=True
-        ):
-            if token_id not in decoded:
-                text = self.tokenizer.decode([token_id])
-                decoded[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
-        self.logprobs.append(decoded)
+        self.logprobs.append(decode_logprobs(self.tokenizer, entry))
         self.cumulative_logprob += entry.logprobs[0]
+
+
+def decode_logprobs(tokenizer, entry: TokenLogprobs) -> dict[int, Logprob]:
+    """One token's logprobs with each token's text (the scored token first)."""
+    decoded = {}
+    for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks, strict=True):
+        if token_id not in decoded:
+            text = tokenizer.decode([token_id])
+            decoded[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
+    return decoded
 
 
 @dataclass
@@ -152,6 +161,9 @@ class RequestState:
     metrics: RequestMetrics
     output_kind: OutputKind
     child_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
+    """A DELTA consumer got them already."""
 
     @property
     def finished(self) -> bool:
@@ -159,7 +171,7 @@ class RequestState:
 
     def final_output(self) -> RequestOutput:
         """Everything, every choice."""
-        return self._output([c.to_output() for c in self.children])
+        return self._output([c.to_output() for c in self.children], self.prompt_logprobs)
 
     def next_output(self) -> RequestOutput | None:
         """What the consumer gets now, by output kind (None: nothing for it this step)."""
@@ -168,10 +180,13 @@ class RequestState:
         deltas = [d for c in self.children if (d := c.delta()) is not None]
         if not deltas and not self.finished:
             return None
-        return self._output(deltas)
+        prompt_logprobs = None if self.prompt_logprobs_sent else self.prompt_logprobs
+        self.prompt_logprobs_sent = self.prompt_logprobs is not None
+        return self._output(deltas, prompt_logprobs)
 
-    def _output(self, outputs: list[CompletionOutput]) -> RequestOutput:
+    def _output(self, outputs: list[CompletionOutput], prompt_logprobs=None) -> RequestOutput:
         return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
@@ -248,6 +263,9 @@ class OutputProcessor:
                 continue  # already finished here (e.g. stopped by a stop string)
             state, index = entry
             child = state.children[index]
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                entries = [decode_logprobs(self.tokenizer, e) for e in out.prompt_logprobs]
+                state.prompt_logprobs = [None, *entries]
             if child.add(out):
                 to_abort.append(out.request_id)
             self._update_metrics(state.metrics, out, now, first_child=index == 0)

@@ -67,11 +67,19 @@ def chat_prompt_token_ids(
     messages: list[dict],
     chat_template: str | None = None,
     tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """Render the conversation with the chat template (plus the assistant prefix) and
     tokenize it; the template already writes the special tokens it needs. `tools` (OpenAI
     function tools) go to the template as `tools=`; a template that never reads `tools`
-    would drop them silently, so that is a ParamError instead."""
+    would drop them silently, so that is a ParamError instead.
+
+    `continue_final_message`: the last message (an assistant's) is left open, so the model
+    continues it (the rendered text is cut right after its content, as transformers does).
+    `template_kwargs`: more variables for the template (`enable_thinking`, ...)."""
     if not messages:
         raise ParamError("messages must hold at least one message", "messages")
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -84,11 +92,33 @@ def chat_prompt_token_ids(
             "for ChatML models such as the bundled SmolLM2)",
             "tools",
         )
+    normalized = normalize_messages(messages)
+    if continue_final_message and normalized[-1]["role"] != "assistant":
+        raise ParamError(
+            "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
     text = tokenizer.apply_chat_template(
-        normalize_messages(messages),
+        normalized,
         tools=tools or None,
         chat_template=chat_template,
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
         tokenize=False,
+        **(template_kwargs or {}),
     )
+    if continue_final_message:
+        text = _open_final_message(text, normalized[-1]["content"])
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _open_final_message(text: str, final_content: str) -> str:
+    """`text` cut right after the final message's content (what closes it is dropped)."""
+    final = final_content.strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ParamError(
+            "continue_final_message: the chat template did not render the final message's "
+            "content as is",
+            "continue_final_message",
+        )
+    return text[: at + len(final)]

@@ -9,9 +9,9 @@ head_dim]` into the one KV allocation made by the model runner. A forward does t
 
 Reading through whole blocks (`index_select` on block ids) copies large contiguous rows, which
 on CPU is several times cheaper than gathering token by token. On the CPU in float32 the
-decode tokens instead read their keys and values in place, in C (`nls_paged_decode_attention`
-in `native/gguf_cpu.c`): no gather, no padding to the longest sequence; SDPA over the gathered
-blocks stays for GPUs and as the reference.
+decode tokens instead read their keys and values in place, in C (`paged_decode_attention` in
+`native/ops.py`, `native/attention_cpu.c`): no gather, no padding to the longest sequence;
+SDPA over the gathered blocks stays for GPUs and as the reference.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
         native = _native_kernels(q, self.k_cache, self.head_dim)
         if native is not None and ctx.decode_context_lens is not None:
-            return self._decode_native(native, q, ctx)
+            return self._decode_native(q, ctx)
         # Grouped-query trick: the query heads that share a KV head become that head's
         # "query length", so K/V are never repeated: [D, kv_heads, group, head_dim].
         num_decodes = q.shape[0]
@@ -75,26 +75,16 @@ class PagedAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
-    def _decode_native(self, native, q: torch.Tensor, ctx) -> torch.Tensor:
+    def _decode_native(self, q: torch.Tensor, ctx) -> torch.Tensor:
         """The decode tokens' attention read in place from the paged cache (C, one work item
-        per sequence and head): no gather of every sequence's blocks, no padding mask."""
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        tables = ctx.decode_block_tables.contiguous()
-        lens = ctx.decode_context_lens.contiguous()
-        num_blocks, block_size = self.k_cache.shape[:2]
-        status = native.nls_paged_decode_attention(
-            q.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr(), q.shape[0],
-            self.num_heads, self.num_kv_heads, self.head_dim, block_size, num_blocks, self.scale,
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
-            torch.get_num_threads(),
+        per sequence and KV head): no gather of every sequence's blocks, no padding mask.
+        ValueError when a length or block id is outside the tables or the pool."""
+        from nanollmserve.native.ops import paged_decode_attention
+
+        return paged_decode_attention(
+            q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
+            self.scale,
         )  # fmt: skip
-        if status == -1:
-            raise MemoryError("native paged decode attention: out of memory")
-        if status != 0:  # the C checks every block id and length it reads through
-            reason = _ATTENTION_REFUSALS.get(status, f"status {status}")
-            raise ValueError(f"native paged decode attention refused its inputs: {reason}")
-        return out
 
     def _prefill(self, q, k, v, span) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, dim]
@@ -113,26 +103,20 @@ class PagedAttention(nn.Module):
         return out.squeeze(0).transpose(0, 1)
 
 
-# `nls_paged_decode_attention`'s refusals (NLS_BAD_* in native/gguf_cpu.c).
-_ATTENTION_REFUSALS = {
-    -2: "a decode context is longer than its block table",
-    -4: "a decode block table names a block outside the KV pool",
-    -5: "heads or head size it cannot run",
-}
-
-
 def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int):
-    """The native library when it can attend these decodes (float32 on the CPU, a contiguous
-    cache, head_dim a multiple of 8 up to 256), else None: SDPA over gathered blocks."""
+    """The native ops (`native/ops.py`) when they can attend these decodes (float32 on the
+    CPU, a contiguous cache, head_dim a multiple of 8 up to `MAX_HEAD_DIM`), else None: SDPA
+    over gathered blocks."""
+    from nanollmserve.native import ops
+
     if (
         q.device.type != "cpu"
         or q.dtype != torch.float32
         or k_cache.dtype != torch.float32
         or not k_cache.is_contiguous()
         or head_dim % 8
-        or head_dim > 256
+        or head_dim > ops.MAX_HEAD_DIM
+        or not ops.available()
     ):
         return None
-    from nanollmserve.native.build import load_kernels
-
-    return load_kernels()
+    return ops

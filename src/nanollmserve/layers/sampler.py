@@ -8,7 +8,8 @@ draw their number from their own generator, so a seeded request samples the same
 whatever else is in the batch. top-k / top-p / min-p look for the kept set among each row's
 most likely tokens (`torch.topk`, growing); only a row whose kept set is larger sorts its
 whole vocabulary. On the CPU the native library draws the filtered rows instead
-(`native/sampling_cpu.c`: candidates by a margin below the row's largest logit, no `topk`),
+(`filtered_draw` in `native/ops.py`, `native/sampling_cpu.c`: candidates by a margin below
+the row's largest logit, no `topk`),
 with the same kept set and the same token for the same uniform: the PyTorch path stays as
 the reference the tests compare it with, and for GPUs.
 
@@ -68,8 +69,6 @@ class SamplerOutput:
     ranks: torch.Tensor | None = None  # [S]: rank of the sampled token (1 = most likely)
 
 
-NATIVE_BAD_SHAPE = -5
-"""`nls_filtered_draw`'s status for a row count or vocabulary size it cannot index."""
 LOGPROB_FLOOR = -9999.0
 """The logprob returned for a masked token (-inf) or a NaN."""
 
@@ -178,7 +177,7 @@ def _draw(
     pending = torch.nonzero(filtered).squeeze(1)
     native = _native_kernels(x)
     if native is not None:
-        tokens[pending] = _native_draw(native, x, probs, pending, top_k, top_p, min_p, u)
+        tokens[pending] = _native_draw(x, probs, pending, top_k, top_p, min_p, u)
         return tokens
     for k in CANDIDATES:
         if not pending.numel():
@@ -210,42 +209,35 @@ def _draw(
 
 
 def _native_kernels(x: torch.Tensor):
-    """The native library when it can draw these rows (float32 on the CPU), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    """The native ops (`native/ops.py`) when they can draw these rows (float32 on the CPU),
+    else None."""
+    from nanollmserve.native import ops
+
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not ops.available():
         return None
-    from nanollmserve.native.build import load_kernels
-
-    return load_kernels()
+    return ops
 
 
-def _native_draw(native, x, probs, rows, top_k, top_p, min_p, u) -> torch.Tensor:
-    """The filtered rows' tokens from `nls_filtered_draw` (native/sampling_cpu.c): the same
-    kept set and draw as the candidate path below, without a `topk` per candidate size."""
+def _native_draw(x, probs, rows, top_k, top_p, min_p, u) -> torch.Tensor:
+    """The filtered rows' tokens from the native draw: the same kept set and draw as the
+    candidate path below, without a `topk` per candidate size."""
+    from nanollmserve.native.ops import filtered_draw
+
     count = rows.numel()
-    x_rows = _take(x, rows).contiguous()
-    probs_rows = _take(probs, rows).contiguous()
 
     def per_row(values: torch.Tensor | None, off: float, dtype: torch.dtype) -> torch.Tensor:
         if values is None:
             return torch.full((count,), off, dtype=dtype)
-        return values[rows].to(dtype).contiguous()
+        return values[rows].to(dtype)
 
-    k, p, m = (
+    return filtered_draw(
+        _take(x, rows),
+        _take(probs, rows),
         per_row(top_k, 0, torch.int64),
         per_row(top_p, 1.0, torch.float32),
         per_row(min_p, 0.0, torch.float32),
+        u[rows].to(torch.float64),
     )
-    row_u = u[rows].to(torch.float64).contiguous()
-    tokens = torch.empty(count, dtype=torch.int64)
-    status = native.nls_filtered_draw(
-        x_rows.data_ptr(), probs_rows.data_ptr(), count, x.shape[1], k.data_ptr(), p.data_ptr(),
-        m.data_ptr(), row_u.data_ptr(), tokens.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if status == NATIVE_BAD_SHAPE:
-        raise ValueError(f"native filtered draw: bad shape [{count}, {x.shape[1]}]")
-    if status != 0:
-        raise MemoryError("native filtered draw: out of memory")
-    return tokens
 
 
 def _with_fallback(

@@ -1,17 +1,26 @@
-"""Convert a GGUF file once into a normal Hugging Face directory in the cache.
+"""Convert a GGUF file once into a Hugging Face directory in the cache, in parts.
 
-transformers reads GGUF (`gguf_file=`) by dequantizing every tensor, which takes ~15 s for the
-bundled 135 M model. Doing it on every start would dominate start-up, so the first load writes
-the result (config, generation config, tokenizer, float32 safetensors) into
-`$NANOLLMSERVE_CACHE/gguf/<file stem>-<key>/` and later loads read that in about a second.
+The first load of a GGUF file writes, into `$NANOLLMSERVE_CACHE/gguf/<file stem>-<key>/`, the
+model's files (config, generation config, tokenizer: `gguf_convert.write_model_files`, under a
+second) and nothing else. The weights follow as what runs them needs, each part written once
+beside them:
 
-The key hashes the whole file: a reinstall of the same bytes hits the cache, and a file edited
-anywhere, even in the middle, is a new entry. Hashing ~100 MB on every start would cost a few
-tenths of a second, so the full hash is computed once per file identity (path, device, inode,
-size, mtime and ctime, which no user can set back) and recorded in `gguf-digests/`.
-A conversion writes into a `.tmp-*` directory beside the entry and renames it into place
-when complete, so a killed conversion never leaves a half-written entry; leftover `.tmp-*`
-directories are skipped and removed by a later conversion once they are an hour old.
+- the GGUF block layers (`--quantization gguf`, the default for a GGUF file on the CPU): the
+  linear weights' blocks (`gguf-blocks-v*.safetensors`) and the other tensors in float32
+  (`gguf-unblocked-v*.safetensors`: embedding table, norms, biases), a few seconds;
+- anything that runs dense weights: `model.safetensors`, every tensor dequantized to float32
+  by transformers (~20 s for the bundled 135 M model), converted the first time such a load
+  asks (`cached_dense_weights`, called by the loader).
+
+`nanollmserve_gguf.json` says which file an entry was converted from, so a later dense load
+can complete the entry. The key hashes the whole file: a reinstall of the same bytes hits the
+cache, and a file edited anywhere, even in the middle, is a new entry. Hashing ~100 MB on
+every start would cost a few tenths of a second, so the full hash is computed once per file
+identity (path, device, inode, size, mtime and ctime, which no user can set back) and
+recorded in `gguf-digests/`. A conversion writes into a `.tmp-*` directory or file beside its
+target and renames it into place when complete, so a killed conversion never leaves a
+half-written entry or part; leftover `.tmp-*` directories are skipped and removed by a later
+conversion once they are an hour old.
 
 The cache is private (`private_cache.py`): its directories are 0700, its files owner-only, and
 an entry another user could have written is refused, never loaded.
@@ -38,12 +47,24 @@ from nanollmserve.model.private_cache import (
     private_cache_dir,
 )
 
-__all__ = ["cache_root", "cached_gguf_blocks", "cached_hf_dir", "gguf_cache_key"]
+__all__ = [
+    "cache_root",
+    "cached_dense_weights",
+    "cached_gguf_blocks",
+    "cached_hf_dir",
+    "cached_unblocked_tensors",
+    "gguf_cache_key",
+]
 
-CONVERSION_VERSION = 1
-"""Bump when the conversion output changes, so old cache entries are not reused."""
+CONVERSION_VERSION = 2
+"""Bump when the conversion output changes, so old cache entries are not reused.
+(2: an entry starts with the model files only; the weights are written as loads need them.)"""
 GGUF_BLOCKS_VERSION = 1
 """Bump when the block row layout changes (the file name carries it)."""
+UNBLOCKED_VERSION = 1
+"""Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it)."""
+INFO_FILE = "nanollmserve_gguf.json"
+DENSE_WEIGHTS_FILE = "model.safetensors"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,7 +105,9 @@ def file_sha256(path: Path) -> str:
 
 
 def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
-    """The cache entry for `gguf_path`, converting it first if needed -> (dir, converted)."""
+    """The cache entry for `gguf_path`, writing its model files first if needed ->
+    (dir, converted). The weights are added by `cached_gguf_blocks`,
+    `cached_unblocked_tensors` or `cached_dense_weights`, as the load needs them."""
     root = private_cache_dir("gguf")
     entry = root / gguf_cache_key(gguf_path)
     if (entry / "config.json").is_file():
@@ -99,7 +122,7 @@ def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
     _remove_stale_tmp_dirs(root)
     if entry.exists():  # damaged by hand (renames only ever move complete entries in)
         shutil.rmtree(entry)
-    logger.info("converting %s once into %s (takes about 20 s)", gguf_path.name, entry)
+    start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{entry.name}-", dir=root))
     try:
         convert_gguf(gguf_path, tmp)
@@ -113,7 +136,65 @@ def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
             check_entry_trusted(entry)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(
+        "converted the config and tokenizer of %s into %s in %.1f s",
+        *(gguf_path.name, entry, time.perf_counter() - start),
+    )
     return entry, True
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """The model files of `gguf_path` (config, generation config, tokenizer) and the record
+    of where they came from, in `out_dir`: a cache entry without weights."""
+    from nanollmserve.model.gguf_convert import write_model_files
+
+    write_model_files(gguf_path, out_dir)
+    info = {
+        "gguf_file": gguf_path.name,
+        "gguf_path": str(gguf_path.resolve()),
+        "gguf_size": gguf_path.stat().st_size,
+        "version": CONVERSION_VERSION,
+    }
+    (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def is_gguf_entry(path: Path) -> bool:
+    """Whether `path` is a GGUF cache entry (its weights may still have to be converted)."""
+    return (path / INFO_FILE).is_file()
+
+
+def cached_dense_weights(entry: Path) -> Path:
+    """`model.safetensors` of a GGUF cache entry, every tensor dequantized to float32, converted
+    from the file the entry was made from the first time a load needs it (~20 s for the
+    bundled model)."""
+    path = entry / DENSE_WEIGHTS_FILE
+    if path.is_file():
+        check_trusted(path)
+        return path
+    from nanollmserve.model.gguf_convert import write_dense_weights
+
+    check_trusted(entry / INFO_FILE)
+    gguf_path = Path(json.loads((entry / INFO_FILE).read_text())["gguf_path"])
+    if not gguf_path.is_file() or gguf_cache_key(gguf_path) != entry.name:
+        raise UserError(
+            f"the GGUF file {entry.name} was converted from is gone or changed ({gguf_path}): "
+            f"load the model by its file again, or remove {entry}"
+        )
+    logger.info(
+        "converting the dequantized float32 weights of %s once into %s (takes about 20 s; "
+        "only what runs dense weights needs them: --quantization none, --dtype, ...)",
+        *(gguf_path.name, entry.name),
+    )
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=entry.parent))
+    try:
+        write_dense_weights(gguf_path, tmp)
+        os.chmod(tmp / DENSE_WEIGHTS_FILE, PRIVATE_FILE_MODE)
+        os.replace(tmp / DENSE_WEIGHTS_FILE, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted the dense weights in %.1f s", time.perf_counter() - start)
+    return path
 
 
 def check_entry_trusted(entry: Path) -> None:
@@ -144,26 +225,6 @@ def gguf_architecture(gguf_path: Path) -> str | None:
             raise UserError(f"truncated GGUF file: {gguf_path}") from None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize `gguf_path` with transformers and save it as an HF directory in `out_dir`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = gguf_path.parent, gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are dequantized already; drop the GGUF "quantizer" so they can be saved.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    info = {"gguf_file": name, "gguf_size": gguf_path.stat().st_size, "version": CONVERSION_VERSION}
-    (out_dir / "nanollmserve_gguf.json").write_text(json.dumps(info, indent=2) + "\n")
-
-
 def _remove_stale_tmp_dirs(root: Path) -> None:
     """Remove `.tmp-*` dirs left by killed conversions (old enough not to be in progress)."""
     now = time.time()
@@ -179,29 +240,53 @@ def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
     """The GGUF's quantized linear weights in the native kernels' row layout
     (`--quantization gguf`): weight name -> `BlockRows`, read from `entry` or laid out once and
     saved there (the layout is the same on every CPU)."""
+    from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
+
+    def build() -> tuple[dict, dict]:
+        blocks = read_gguf_blocks(gguf_path, config)
+        kinds = {name: b.kind for name, b in blocks.items()}
+        tensors = {name: b.rows for name, b in blocks.items()}
+        return tensors, {"gguf_file": gguf_path.name, "kinds": json.dumps(kinds)}
+
+    path = entry / f"gguf-blocks-v{GGUF_BLOCKS_VERSION}.safetensors"
+    tensors, metadata = _cached_tensors(path, "laying out the quantized blocks", build)
+    kinds = json.loads(metadata["kinds"])
+    return {name: BlockRows(kinds[name], tensor) for name, tensor in tensors.items()}
+
+
+def cached_unblocked_tensors(entry: Path, gguf_path: Path, config) -> dict:
+    """The GGUF's tensors that are not linear weights run as blocks (embedding table, norms,
+    biases), float32 under our parameter names (`gguf_convert.unblocked_tensors`), read from
+    `entry` or dequantized once and saved there."""
+    from nanollmserve.model.gguf_convert import unblocked_tensors
+
+    def build() -> tuple[dict, dict]:
+        return unblocked_tensors(gguf_path, config), {"gguf_file": gguf_path.name}
+
+    path = entry / f"gguf-unblocked-v{UNBLOCKED_VERSION}.safetensors"
+    tensors, _ = _cached_tensors(path, "dequantizing the tensors besides the blocks", build)
+    return tensors
+
+
+def _cached_tensors(path: Path, what: str, build) -> tuple[dict, dict]:
+    """The tensors and metadata of `path`, built (`build() -> (tensors, metadata)`) and saved
+    there first when the file is missing; the tensors map the file (no copy)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
-
-    path = entry / f"gguf-blocks-v{GGUF_BLOCKS_VERSION}.safetensors"
     if not path.is_file():
-        logger.info("laying out the quantized blocks of %s once into %s", gguf_path.name, path.name)
-        blocks = read_gguf_blocks(gguf_path, config)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".safetensors", dir=entry)
+        start = time.perf_counter()
+        tensors, metadata = build()
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".safetensors", dir=path.parent)
         os.close(fd)
         try:
-            kinds = {name: b.kind for name, b in blocks.items()}
-            tensors = {name: b.rows for name, b in blocks.items()}
-            save_file(
-                tensors, tmp, metadata={"gguf_file": gguf_path.name, "kinds": json.dumps(kinds)}
-            )
+            save_file(tensors, tmp, metadata=metadata)
             os.chmod(tmp, PRIVATE_FILE_MODE)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        logger.info("%s into %s: %.1f s", what, path.name, time.perf_counter() - start)
     check_trusted(path)
     with safe_open(path, framework="pt") as f:
-        kinds = json.loads((f.metadata() or {})["kinds"])
-        return {name: BlockRows(kinds[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118 (not a dict)
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}  # noqa: SIM118 (not a dict)

@@ -13,6 +13,11 @@ other `DecoderOptions`.
 Under tensor parallelism (`layers/parallel_linear.py`) each rank builds this same model with
 its share of the heads, the MLP width and the vocabulary; with a group of one the parallel
 layers are plain linears and embeddings.
+
+The native step of one sequence (`engine/native_decode.py`) runs this same decoder in C. It
+is built from `LlamaForCausalLM.native_decoder()`, the model's declaration of its sizes,
+options and tensors (`model/native_decoder.py`), which refuses with the reason what the
+native layer does not run (MLP biases, projections not in GGUF blocks, tensor parallelism).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 from nanollmserve.distributed.parallel_state import get_tp_size
 from nanollmserve.layers.activation import SiluAndMul
 from nanollmserve.layers.attention import PagedAttention
+from nanollmserve.layers.gguf_linear import GGUFLinear
 from nanollmserve.layers.norm import RMSNorm
 from nanollmserve.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -37,6 +43,7 @@ from nanollmserve.layers.parallel_linear import (
 )
 from nanollmserve.layers.rotary import RotaryEmbedding, apply_rotary
 from nanollmserve.model.model_config import ModelConfig
+from nanollmserve.model.native_decoder import NativeDecoder, NativeLayer, NotNativeError
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,56 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = self.lm_head(hidden)
         return gather_logits(logits, self.config.vocab_size).float()
+
+    def native_decoder(self) -> NativeDecoder:
+        """This model as the native decode step runs it (`model/native_decoder.py`), or
+        NotNativeError with the reason it cannot (checked in order, the first one named)."""
+        config, decoder = self.config, self.model
+        if get_tp_size() != 1:
+            raise NotNativeError("the model is sharded over a tensor-parallel group")
+        if config.mlp_bias:
+            raise NotNativeError("the native layer has no MLP bias (mlp_bias)")
+        embed = decoder.embed_tokens.weight
+        if embed.dtype != torch.float32 or embed.device.type != "cpu":
+            raise NotNativeError(
+                f"the weights are {embed.dtype} on {embed.device}, not float32 on the CPU"
+            )
+        layers = []
+        for i, layer in enumerate(decoder.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(p, GGUFLinear) for p in projections):
+                names = [type(p).__name__ for p in projections]
+                raise NotNativeError(
+                    f"layer {i}'s projections are {names}, not all GGUF blocks (GGUFLinear)"
+                )
+            layers.append(
+                NativeLayer(
+                    *projections,
+                    input_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    q_norm=attn.q_norm.weight if attn.qk_norm else None,
+                    k_norm=attn.k_norm.weight if attn.qk_norm else None,
+                    k_cache=attn.attn.k_cache,
+                    v_cache=attn.attn.v_cache,
+                )
+            )
+        attention = decoder.layers[0].self_attn
+        return NativeDecoder(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads,
+            head_dim=attention.head_dim,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            attn_scale=attention.attn.scale,
+            embed=embed,
+            final_norm=decoder.norm.weight,
+            rope=decoder.rotary_emb.cos_sin_cache,
+            lm_head=self.lm_head if isinstance(self.lm_head, GGUFLinear) else None,
+            layers=tuple(layers),
+        )
 
     def attention_layers(self) -> list[PagedAttention]:
         """Each layer's PagedAttention, in layer order: the runner binds `k_cache`/`v_cache`."""

@@ -14,7 +14,13 @@ In a directory nanollmserve owns (a GGUF cache entry: `cache_fused=True`) the fi
 saves them, in the model dtype, into `nanollmserve-fused-<dtype>.safetensors` beside the
 checkpoint, with the part order it concatenated (a changed `packed_modules_mapping` rebuilds
 the file), and later loads map that file instead: concatenating them took 1.1 s of every
-start of the bundled model (280 MB of float32).
+start of the bundled model (280 MB of float32). A GGUF cache entry gets its dense weights
+converted the first time `load_model` reads it (`gguf_cache.cached_dense_weights`).
+
+`load_gguf_block_model` builds a GGUF model without dense linear weights: its linear layers
+take the file's blocks straight from the meta device (`GGUFLinear`), every other parameter
+comes from the float32 tensors beside them, so no float32 copy of a linear weight is ever
+converted, written or read.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import logging
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors
@@ -35,6 +42,7 @@ from torch import nn
 from nanollmserve.distributed.parallel_state import get_tp_size
 from nanollmserve.errors import UserError
 from nanollmserve.layers.parallel_linear import shard_checkpoint_tensor
+from nanollmserve.model import gguf_cache
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.registry import get_model_class
 
@@ -65,6 +73,8 @@ def load_model(
     """The native model of `source_dir` with its weights, on `device` in `dtype`, in eval mode.
     `cache_fused`: the directory is nanollmserve's own, keep the fused tensors there."""
     source_dir = Path(source_dir)
+    if gguf_cache.is_gguf_entry(source_dir):
+        gguf_cache.cached_dense_weights(source_dir)
     model = build_model(model_config)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     weights = _read_weights(source_dir, model, model_config, dtype, device, cache_fused)
@@ -85,6 +95,40 @@ def load_model(
             )
     model.load_state_dict(weights, strict=True, assign=True)
     model.to(device=device, dtype=dtype)  # the buffers built at init (RoPE table)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_gguf_block_model(
+    model_config: ModelConfig, blocks: dict, read_unblocked: Callable[[], dict]
+) -> nn.Module | None:
+    """The float32 CPU model whose linear layers run `blocks` (weight name -> `BlockRows`) and
+    whose other parameters are `read_unblocked()` (name -> float32 tensor), in eval mode; its
+    linear weights are never materialized. None when the two do not make up exactly this
+    model (a linear weight stored in another block type, a tensor the mapping does not know):
+    the caller loads the dense weights then, which also says what does not match."""
+    from nanollmserve.layers.gguf_linear import apply_gguf_blocks
+
+    if get_tp_size() != 1:
+        return None
+    model = build_model(model_config)
+    linear_weights = {
+        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    }
+    # An output projection without blocks may come dequantized with the other tensors.
+    if not linear_weights - {"lm_head.weight"} <= blocks.keys():
+        return None
+    unblocked = read_unblocked()
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    needed = expected.keys() - blocks.keys()
+    if not needed <= unblocked.keys() or not unblocked.keys() <= expected.keys():
+        return None
+    if any(unblocked[name].shape != expected[name] for name in needed):
+        return None
+    model.load_state_dict({name: unblocked[name] for name in needed}, strict=False, assign=True)
+    apply_gguf_blocks(model, blocks)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return None
     model.requires_grad_(False)
     return model.eval()
 

@@ -6,8 +6,10 @@ Accepted values:
 - a local HF directory (config.json, *.safetensors, tokenizer files);
 - a hub id `org/name`, downloaded where a network exists (nothing depends on one).
 
-A GGUF file is converted once into an HF directory in the cache (`gguf_cache.py`); the
-tokenizer and chat template are read from the same directory as the weights.
+A GGUF file gets an HF directory in the cache (`gguf_cache.py`): resolving it writes the
+config and tokenizer files (with the chat template) once; the weights are added there by the
+first load that runs them (the GGUF blocks and the other tensors, or the dense float32
+checkpoint), so resolving a GGUF source costs no weight conversion.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.ti
 @dataclass(frozen=True)
 class ModelSource:
     path: Path
-    """A local HF directory: config.json, *.safetensors, tokenizer files."""
+    """A local HF directory: config.json, tokenizer files, *.safetensors (for a GGUF source,
+    written by the first load that needs them)."""
     name: str
     """Short name of the model (the default served model name)."""
     kind: str

@@ -4,8 +4,9 @@
  * decode step in gguf_cpu.c) and
  * the decode tokens of a batched step (`nls_paged_decode_attention`). */
 
-#include <stdlib.h>
 #include <string.h>
+
+#include <omp.h>
 
 #include "native.h"
 
@@ -72,48 +73,64 @@ void nls_attend_group(const float *q, const float *k_cache, const float *v_cache
 
 /* ------------------------------------------------ public: attention of decode tokens -- */
 
+/* One thread's attention scores: a KV head's group of query heads over up to `max_context`
+ * keys, rounded to whole cache lines so no two threads write the same line. */
+static inline int64_t scores_bytes(int32_t num_heads, int32_t num_kv_heads, int64_t max_context) {
+    return ((int64_t)(num_heads / num_kv_heads) * max_context * (int64_t)sizeof(float) + 63) / 64 * 64;
+}
+
+/* Bytes of the workspace `nls_paged_decode_attention` needs for block tables covering
+ * `max_context` keys (table_width * block_size) on `num_threads` threads; 0 for sizes it
+ * cannot run. */
+int64_t nls_paged_decode_attention_workspace_bytes(int32_t num_heads, int32_t num_kv_heads, int64_t max_context,
+                                                   int num_threads) {
+    if (num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || max_context < 0 || num_threads < 1)
+        return 0;
+    return 64 + (int64_t)num_threads * scores_bytes(num_heads, num_kv_heads, max_context);
+}
+
 /* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
  * sequence attending to its first context_lens[s] keys through its row of `block_tables`
  * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, KV head)
- * is one work item, its query heads attended together. Returns 0, NLS_NO_MEMORY, NLS_BAD_SHAPE for heads or a head_dim it
- * cannot run, NLS_BAD_POSITION for a context length not in [1, table_width * block_size],
- * or NLS_BAD_BLOCK for a block id outside [0, num_blocks) (the caches' first dimension). */
+ * is one work item, its query heads attended together, their scores in the calling thread's
+ * slice of `workspace` (at least nls_paged_decode_attention_workspace_bytes(num_heads,
+ * num_kv_heads, table_width * block_size, num_threads) bytes, reused across calls). Returns 0,
+ * NLS_BAD_SHAPE for heads, a head_dim or a workspace it cannot run, NLS_BAD_POSITION for a
+ * context length not in [1, table_width * block_size], or NLS_BAD_BLOCK for a block id
+ * outside [0, num_blocks) (the caches' first dimension). */
 int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                                int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
                                int64_t table_width, const int64_t *context_lens, float *out,
-                               int num_threads) {
-    if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
-        head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size <= 0 || table_width < 0)
+                               void *workspace, int64_t workspace_bytes, int num_threads) {
+    if (num_seqs < 0 || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
+        head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size <= 0 || table_width < 0 || num_threads < 1)
         return NLS_BAD_SHAPE;
-    int64_t longest = 1;
+    const int64_t max_context = table_width * block_size;
+    if (workspace == NULL ||
+        workspace_bytes < nls_paged_decode_attention_workspace_bytes(num_heads, num_kv_heads, max_context, num_threads))
+        return NLS_BAD_SHAPE;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t ctx = context_lens[s];
-        if (ctx < 1 || ctx > table_width * block_size) return NLS_BAD_POSITION;
+        if (ctx < 1 || ctx > max_context) return NLS_BAD_POSITION;
         for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++)
             if (block_tables[s * table_width + b] < 0 || block_tables[s * table_width + b] >= num_blocks)
                 return NLS_BAD_BLOCK;
-        longest = ctx > longest ? ctx : longest;
     }
     const int group = num_heads / num_kv_heads;
-    int failed = 0;
+    uint8_t *base = (uint8_t *)(((uintptr_t)workspace + 63) / 64 * 64);
+    const int64_t per_thread = scores_bytes(num_heads, num_kv_heads, max_context);
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)longest * (size_t)group);
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = (float *)(base + (int64_t)omp_get_thread_num() * per_thread);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
             const int64_t s = item / num_kv_heads;
             const int g = (int)(item % num_kv_heads);
             const int64_t first = (s * num_heads + (int64_t)g * group) * head_dim;
-            if (scores)
-                nls_attend_group(q + first, k_cache, v_cache, num_kv_heads, g, group, head_dim, block_size, scale,
-                                 block_tables + s * table_width, context_lens[s], scores, out + first);
+            nls_attend_group(q + first, k_cache, v_cache, num_kv_heads, g, group, head_dim, block_size, scale,
+                             block_tables + s * table_width, context_lens[s], scores, out + first);
         }
-        free(scores);
     }
-    return failed ? NLS_NO_MEMORY : 0;
+    return 0;
 }

@@ -17,8 +17,10 @@ It loads after PyTorch, so its OpenMP runtime is the one PyTorch already loaded 
 `libgomp.so.1` soname): one thread pool, not two.
 
 `load_kernels()` returns None, with the reason logged once, where the kernels cannot run: not
-Linux x86-64, a CPU without AVX2/FMA/F16C, no C compiler, or a failed build. Callers then
-keep the dequantized weights.
+Linux x86-64, a CPU without AVX2/FMA/F16C, no C compiler, a failed build, or a library whose
+constants or struct layouts differ from the Python side's (`native/ops.py` `bind`, which also
+declares every entry point's ctypes signature: Python calls the library only through
+`native/ops.py`). Callers then keep the dequantized weights.
 """
 
 from __future__ import annotations
@@ -166,7 +168,8 @@ def build_library(level: str | None = None) -> Path:
 
 
 def load_kernels() -> ctypes.CDLL | None:
-    """The loaded library with its function signatures set, or None (reason logged once)."""
+    """The loaded library, its signatures set and its ABI checked by `native/ops.py`, or None
+    (reason logged once)."""
     return _load()[0]
 
 
@@ -190,36 +193,12 @@ def _open_library() -> ctypes.CDLL:
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     import torch  # noqa: F401  (first: its OpenMP runtime is the one the library binds to)
 
+    from nanollmserve.native.ops import bind
+
     try:
         library = _open_library()
+        bind(library)  # the signatures, then the ABI check: a library that differs is refused
     except (NativeUnavailable, OSError) as error:
         logger.warning("native GGUF kernels unavailable: %s", error)
         return None, str(error)
-    c_int64, c_ptr = ctypes.c_int64, ctypes.c_void_p
-    library.nls_gguf_matmul.argtypes = [
-        ctypes.c_int, c_ptr, c_int64, c_int64, c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64,
-        ctypes.c_int,
-    ]  # fmt: skip
-    library.nls_gguf_matmul.restype = ctypes.c_int
-    library.nls_gguf_matmul_workspace_bytes.argtypes = [c_int64, c_int64, ctypes.c_int]
-    library.nls_gguf_matmul_workspace_bytes.restype = c_int64
-    library.nls_decode_scratch_bytes.argtypes = [c_ptr]
-    library.nls_decode_scratch_bytes.restype = c_int64
-    library.nls_decode_step.argtypes = [c_ptr, c_int64, c_int64, c_ptr, c_ptr, c_ptr, ctypes.c_int]
-    library.nls_decode_step.restype = ctypes.c_int
-    library.nls_filtered_draw.argtypes = [
-        c_ptr,
-        c_ptr,
-        c_int64,
-        c_int64,
-        *[c_ptr] * 5,
-        ctypes.c_int,
-    ]
-    library.nls_filtered_draw.restype = ctypes.c_int
-    c_int32 = ctypes.c_int32
-    library.nls_paged_decode_attention.argtypes = [
-        *[c_ptr] * 3, c_int64, c_int32, c_int32, c_int32, c_int32, c_int64, ctypes.c_float,
-        c_ptr, c_int64, c_ptr, c_ptr, ctypes.c_int,
-    ]  # fmt: skip
-    library.nls_paged_decode_attention.restype = ctypes.c_int
     return library, None

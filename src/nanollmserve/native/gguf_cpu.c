@@ -10,14 +10,18 @@
  *    the vector lanes. (llama.cpp quantizes activations to int8: on the bundled model that
  *    moved the next-token distribution 45x further from float32, KL 0.046 against 0.0010.)
  *
- * 2. `nls_decode_step`: the whole forward pass of a Llama-family decoder for one token of one
- *    sequence (a single-stream decode step), from token id to logits, in one call and one
- *    OpenMP parallel region: RMSNorm, fused q/k/v, rotary embedding, the K/V write into the
- *    paged cache, attention over the sequence's blocks, the output projection, the gated MLP,
- *    the final norm and the output projection to the vocabulary. PyTorch runs the same step as
- *    ~1000 operator calls, whose dispatch alone costs more than the arithmetic at one token.
+ * 2. `nls_decode_step`: the whole forward pass of a Llama-family decoder for T consecutive
+ *    tokens of one sequence (a single-stream decode step: T = 1; a speculative verify step:
+ *    the last token and its drafts; a short prefill chunk), from token ids to logits, in one
+ *    call and one OpenMP parallel region: RMSNorm, fused q/k/v, rotary embedding, the K/V
+ *    write into the paged cache, causal attention over the sequence's blocks, the output
+ *    projection, the gated MLP, the final norm and the output projection to the vocabulary.
+ *    The T rows go through each matrix together (a tile's weights decoded once for all of
+ *    them). PyTorch runs the same step as ~1000 operator calls, whose dispatch alone costs
+ *    more than the arithmetic at a few tokens.
  */
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -287,16 +291,99 @@ static void tile_times_rows(int kind, const uint8_t *w, int64_t t, int64_t nb, i
             y[r * ldy + t * TILE + j] = acc[32 * r + j] + acc[32 * r + 16 + j] + (bias ? bias[t * TILE + j] : 0.0f);
 }
 
-/* y[0, out) = W x for one quantized activation row, the tiles shared among the threads of the
- * enclosing parallel region (an orphaned work-sharing loop; it ends in a barrier). */
-static void matvec_shared(int kind, const uint8_t *w, int64_t out, int64_t in,
-                          const int16_t *xq, const float *dx, const float *sx, float *y) {
+/* A few rows (a verify step's k + 1) against one tile with every row's accumulators in
+ * registers across the blocks, the tile's weights decoded once per block for them all: the
+ * same operations in the same order as tile_block_rows (so the same numbers), without its
+ * accumulator loads and stores, which cost a verify step of 5 rows ~20% (measured).
+ * `ROWS` is a compile-time constant at each call, so the row loops unroll. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define FEW_ROWS 5
+static inline __attribute__((always_inline)) void tile_times_few_rows(
+    int kind, const uint8_t *tile, int64_t nb, int64_t in, const int16_t *xq, const float *dx,
+    const float *sx, const int ROWS, float *y, int64_t ldy, int64_t t, int valid) {
+    const int64_t tb_bytes = tile_block_bytes(kind);
+    const int code_bytes = kind == KIND_Q4 ? 256 : 512;
+    __m512 acc[FEW_ROWS], macc[FEW_ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes;
+        __m512i w[16];
+        if (kind == KIND_Q4) {
+            const __m256i low = _mm256_set1_epi8(0x0F);
+            for (int g = 0; g < 8; g++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
+                w[g] = _mm512_cvtepu8_epi16(_mm256_and_si256(c, low));
+                w[g + 8] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low));
+            }
+        } else {
+            for (int p = 0; p < 16; p++)
+                w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * p)));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes)));
+        for (int r = 0; r < ROWS; r++) {
+            const int32_t *x = (const int32_t *)(xq + r * in + b * QK);
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+            for (int p = 0; p < 16; p += 2) {
+                a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(x[p]));
+                a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(x[p + 1]));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), acc[r]);
+        }
+        if (kind == KIND_Q4) {
+            const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes + 32)));
+            for (int r = 0; r < ROWS; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), macc[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        float total[TILE];
+        _mm512_storeu_ps(total, _mm512_add_ps(acc[r], macc[r]));
+        for (int j = 0; j < valid; j++) y[r * ldy + t * TILE + j] = total[j];
+    }
+}
+
+/* Rows [0, rows) of the tile in groups of at most FEW_ROWS; false (nothing done) for more
+ * than 2 * FEW_ROWS rows, which the accumulator kernel runs. */
+static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int64_t in, const int16_t *xq,
+                                  const float *dx, const float *sx, int64_t rows, float *y, int64_t ldy,
+                                  int64_t t, int valid) {
+    if (rows > 2 * FEW_ROWS) return false;
+    for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0, group = left > FEW_ROWS ? (left + 1) / 2 : left;
+        const int64_t nbr = r0 * nb;
+        switch (group) {
+        case 1: tile_times_few_rows(kind, tile, nb, in, xq + r0 * in, dx + nbr, sx + nbr, 1, y + r0 * ldy, ldy, t, valid); break;
+        case 2: tile_times_few_rows(kind, tile, nb, in, xq + r0 * in, dx + nbr, sx + nbr, 2, y + r0 * ldy, ldy, t, valid); break;
+        case 3: tile_times_few_rows(kind, tile, nb, in, xq + r0 * in, dx + nbr, sx + nbr, 3, y + r0 * ldy, ldy, t, valid); break;
+        case 4: tile_times_few_rows(kind, tile, nb, in, xq + r0 * in, dx + nbr, sx + nbr, 4, y + r0 * ldy, ldy, t, valid); break;
+        default: tile_times_few_rows(kind, tile, nb, in, xq + r0 * in, dx + nbr, sx + nbr, 5, y + r0 * ldy, ldy, t, valid); break;
+        }
+        r0 += group;
+    }
+    return true;
+}
+#else
+static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int64_t in, const int16_t *xq,
+                                  const float *dx, const float *sx, int64_t rows, float *y, int64_t ldy,
+                                  int64_t t, int valid) {
+    (void)kind, (void)tile, (void)nb, (void)in, (void)xq, (void)dx, (void)sx, (void)rows, (void)y, (void)ldy,
+        (void)t, (void)valid;
+    return false;
+}
+#endif
+
+/* y[r * out + o] = (W x_r)[o] for `rows` quantized activation rows (row r at xq + r * in), the
+ * tiles shared among the threads of the enclosing parallel region (an orphaned work-sharing
+ * loop; it ends in a barrier). `acc`: this thread's room for 32 floats a row. */
+static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                          const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
-    float acc[32];
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
-        tile_times_rows(kind, w, t, nb, in, xq, dx, sx, 1, acc, NULL, y, 0, valid);
+        if (rows == 1 || !tile_times_row_groups(kind, w + t * nb * tile_block_bytes(kind), nb, in, xq, dx, sx,
+                                                rows, y, out, t, valid))
+            tile_times_rows(kind, w, t, nb, in, xq, dx, sx, rows, acc, NULL, y, out, valid);
     }
 }
 
@@ -413,7 +500,6 @@ static void silu_and_mul(const float *gate_up, int n, float *out) {
     for (; i < n; i++) out[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[n + i];
 }
 
-/* Bytes of scratch memory `nls_decode_step` needs for `m`. */
 /* The longest row the step quantizes: the hidden state, the attention output or the MLP's
  * activation. */
 static int64_t widest_input(const nls_model *m) {
@@ -422,100 +508,185 @@ static int64_t widest_input(const nls_model *m) {
     return m->intermediate > widest ? m->intermediate : widest;
 }
 
-int64_t nls_decode_scratch_bytes(const nls_model *m) {
-    const int64_t q = (int64_t)m->num_heads * m->head_dim, kv = (int64_t)m->num_kv_heads * m->head_dim;
-    const int64_t widest = widest_input(m);
-    const int64_t floats = 2 * (int64_t)m->hidden          /* residual stream, normed input */
-                           + q + 2 * kv                    /* q, k, v */
-                           + q                             /* attention output */
-                           + 2 * (int64_t)m->intermediate  /* gate, up */
-                           + m->intermediate               /* activation */
-                           + m->hidden                     /* projection output */
-                           + (int64_t)m->num_heads * m->max_context /* attention scores */
-                           + 2 * (widest / QK);            /* activation block scales and sums */
-    return floats * (int64_t)sizeof(float) + widest * (int64_t)sizeof(int16_t) + 64;
+/* Each thread's own scratch (block-product accumulators, attention scores) starts on its own
+ * cache line. */
+static int64_t thread_scratch_bytes(const nls_model *m, int64_t num_tokens) {
+    const int64_t floats = 32 * num_tokens + (int64_t)(m->num_heads / m->num_kv_heads) * m->max_context;
+    return round_up_64(floats * (int64_t)sizeof(float));
 }
 
-/* The forward pass of token `token` at `position` of a sequence whose K/V live in the blocks
- * `block_table` (the new token's K/V are written at `position`; the table has at least
- * position / block_size + 1 entries), -> `out`: the logits [vocab] or, with no lm_head, the
- * final normed hidden state [hidden]. Returns 0, or before touching anything
- * NLS_BAD_POSITION (not in [0, max_context)), NLS_BAD_TOKEN (not in [0, vocab)) or
- * NLS_BAD_BLOCK (a block id the sequence uses is not in [0, num_blocks)). */
-int nls_decode_step(const nls_model *m, int64_t token, int64_t position, const int64_t *block_table,
-                    void *scratch, float *out, int num_threads) {
-    if (position < 0 || position >= m->max_context) return NLS_BAD_POSITION;
-    if (token < 0 || token >= m->vocab) return NLS_BAD_TOKEN;
-    for (int64_t b = 0; b <= position / m->block_size; b++)
+/* Bytes of scratch memory `nls_decode_step` needs for `num_tokens` tokens on `num_threads`
+ * threads (0 for a count it cannot run). */
+int64_t nls_decode_scratch_bytes(const nls_model *m, int64_t num_tokens, int num_threads) {
+    if (num_tokens < 1 || num_threads < 1 || m->num_kv_heads < 1) return 0;
+    const int64_t T = num_tokens;
+    const int64_t q = (int64_t)m->num_heads * m->head_dim, kv = (int64_t)m->num_kv_heads * m->head_dim;
+    const int64_t widest = widest_input(m);
+    const int64_t floats = T * (2 * (int64_t)m->hidden          /* residual stream, normed input */
+                                + q + 2 * kv                    /* q, k, v */
+                                + q                             /* attention output */
+                                + 2 * (int64_t)m->intermediate  /* gate, up */
+                                + m->intermediate               /* activation */
+                                + m->hidden                     /* projection output */
+                                + 2 * (widest / QK));           /* activation block scales and sums */
+    return 64 + round_up_64(floats * (int64_t)sizeof(float) + T * widest * (int64_t)sizeof(int16_t)) +
+           (int64_t)num_threads * thread_scratch_bytes(m, T);
+}
+
+/* RMSNorm of row t of x[T, n] into out, then its int16 blocks into row t of the quantized
+ * activations (row stride n). */
+static void norm_and_quantize(const float *x, const float *weight, int64_t t, int n, float eps, float *out,
+                              int16_t *xq, float *dx, float *sx) {
+    rms_norm(x + t * n, weight, n, eps, out + t * n);
+    quantize_row(out + t * n, n, xq + t * n, dx + t * (n / QK), sx + t * (n / QK));
+}
+
+/* The forward pass of `num_tokens` consecutive tokens `tokens` of a sequence, the first at
+ * `position`, whose K/V live in the blocks `block_table` (the new tokens' K/V are written at
+ * their positions; token i attends to positions <= position + i; the table has at least
+ * (position + num_tokens - 1) / block_size + 1 entries), -> `out`: for tokens
+ * [first_logits, num_tokens), one row each, the logits [vocab] or, with no lm_head, the final
+ * normed hidden state [hidden] (first_logits = num_tokens: nothing, the K/V only).
+ * `scratch`: nls_decode_scratch_bytes(m, num_tokens, num_threads) bytes. Returns 0, or before
+ * touching anything NLS_BAD_SHAPE (a count, first_logits or scratch it cannot run),
+ * NLS_BAD_POSITION (a position not in [0, max_context)), NLS_BAD_TOKEN (not in [0, vocab)) or
+ * NLS_BAD_BLOCK (a block id the tokens use is not in [0, num_blocks)). */
+int nls_decode_step(const nls_model *m, const int64_t *tokens, int64_t num_tokens, int64_t position,
+                    const int64_t *block_table, int64_t first_logits, void *scratch, int64_t scratch_bytes,
+                    float *out, int num_threads) {
+    const int64_t T = num_tokens;
+    if (T < 1 || first_logits < 0 || first_logits > T || num_threads < 1 || scratch == NULL ||
+        scratch_bytes < nls_decode_scratch_bytes(m, T, num_threads))
+        return NLS_BAD_SHAPE;
+    if (position < 0 || position + T > m->max_context) return NLS_BAD_POSITION;
+    for (int64_t t = 0; t < T; t++)
+        if (tokens[t] < 0 || tokens[t] >= m->vocab) return NLS_BAD_TOKEN;
+    for (int64_t b = 0; b <= (position + T - 1) / m->block_size; b++)
         if (block_table[b] < 0 || block_table[b] >= m->num_blocks) return NLS_BAD_BLOCK;
     const int H = m->hidden, I = m->intermediate, hd = m->head_dim;
     const int nh = m->num_heads, kvh = m->num_kv_heads, q_size = nh * hd, kv_size = kvh * hd;
-    const int64_t ctx = position + 1;
-    float *h = scratch, *xn = h + H, *qkv = xn + H, *attn = qkv + q_size + 2 * kv_size;
-    float *gate_up = attn + q_size, *act = gate_up + 2 * I, *proj = act + I;
-    float *scores = proj + H, *dx = scores + (int64_t)nh * m->max_context;
+    const int qkv_size = q_size + 2 * kv_size, group = nh / kvh;
     const int64_t widest = widest_input(m);
-    float *sx = dx + widest / QK;
-    int16_t *xq = (int16_t *)(sx + widest / QK);
-    const float *cos_sin = m->rope + position * hd;
-    const int64_t slot = block_table[position / m->block_size] * m->block_size + position % m->block_size;
+    float *h = (float *)(((uintptr_t)scratch + 63) / 64 * 64);
+    float *xn = h + T * H, *qkv = xn + T * H, *attn = qkv + T * qkv_size;
+    float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I, *proj = act + T * I;
+    float *dx = proj + T * H, *sx = dx + T * (widest / QK);
+    int16_t *xq = (int16_t *)(sx + T * (widest / QK));
+    uint8_t *per_thread = (uint8_t *)h + round_up_64((int64_t)((uint8_t *)(xq + T * widest) - (uint8_t *)h));
+    const int64_t outputs = T - first_logits;
 
-    memcpy(h, m->embed + token * H, sizeof(float) * (size_t)H);
+    for (int64_t t = 0; t < T; t++) memcpy(h + t * H, m->embed + tokens[t] * H, sizeof(float) * (size_t)H);
 #pragma omp parallel num_threads(num_threads)
-    for (int l = 0; l < m->num_layers; l++) {
-        const nls_layer *L = &m->layers[l];
-#pragma omp single
-        {
-            rms_norm(h, L->input_norm, H, m->eps, xn);
-            quantize_row(xn, H, xq, dx, sx);
-        }
-        matvec_shared(L->qkv_kind, L->qkv, q_size + 2 * kv_size, H, xq, dx, sx, qkv);
-#pragma omp single
-        {
-            float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
-            if (L->qkv_bias)
-                for (int i = 0; i < q_size + 2 * kv_size; i++) qkv[i] += L->qkv_bias[i];
-            for (int head = 0; head < nh + kvh; head++) {
-                float *x = head < nh ? q + head * hd : k + (head - nh) * hd;
-                const float *norm = head < nh ? L->q_norm : L->k_norm;
-                if (norm) rms_norm(x, norm, hd, m->eps, x);
-                rope_head(x, cos_sin, hd);
-            }
-            memcpy(L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
-            memcpy(L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
-        }
-        const int group = nh / kvh;
+    {
+        float *own = (float *)(per_thread + (int64_t)omp_get_thread_num() * thread_scratch_bytes(m, T));
+        float *acc = own, *scores = own + 32 * T;
+        for (int l = 0; l < m->num_layers; l++) {
+            const nls_layer *L = &m->layers[l];
 #pragma omp for schedule(static)
-        for (int g = 0; g < kvh; g++)
-            nls_attend_group(qkv + (int64_t)g * group * hd, L->k_cache, L->v_cache, kvh, g, group, hd,
-                             m->block_size, m->attn_scale, block_table, ctx,
-                             scores + (int64_t)g * group * m->max_context, attn + (int64_t)g * group * hd);
-#pragma omp single
-        quantize_row(attn, q_size, xq, dx, sx);
-        matvec_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, proj);
-#pragma omp single
-        {
-            for (int i = 0; i < H; i++) h[i] += proj[i] + (L->o_bias ? L->o_bias[i] : 0.0f);
-            rms_norm(h, L->post_norm, H, m->eps, xn);
-            quantize_row(xn, H, xq, dx, sx);
+            for (int64_t t = 0; t < T; t++) norm_and_quantize(h, L->input_norm, t, H, m->eps, xn, xq, dx, sx);
+            matmul_shared(L->qkv_kind, L->qkv, qkv_size, H, xq, dx, sx, T, acc, qkv);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                float *q = qkv + t * qkv_size, *k = q + q_size, *v = k + kv_size;
+                const float *cos_sin = m->rope + (position + t) * hd;
+                if (L->qkv_bias)
+                    for (int i = 0; i < qkv_size; i++) q[i] += L->qkv_bias[i];
+                for (int head = 0; head < nh + kvh; head++) {
+                    float *x = head < nh ? q + head * hd : k + (head - nh) * hd;
+                    const float *norm = head < nh ? L->q_norm : L->k_norm;
+                    if (norm) rms_norm(x, norm, hd, m->eps, x);
+                    rope_head(x, cos_sin, hd);
+                }
+                const int64_t p = position + t;
+                const int64_t slot = block_table[p / m->block_size] * m->block_size + p % m->block_size;
+                memcpy(L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
+                memcpy(L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
+            }
+            /* every token's K/V is in the cache (the loop's barrier): token t sees keys <= its own */
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < T * kvh; item++) {
+                const int64_t t = item / kvh;
+                const int g = (int)(item % kvh);
+                nls_attend_group(qkv + t * qkv_size + (int64_t)g * group * hd, L->k_cache, L->v_cache, kvh, g,
+                                 group, hd, m->block_size, m->attn_scale, block_table, position + t + 1, scores,
+                                 attn + t * q_size + (int64_t)g * group * hd);
+            }
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                quantize_row(attn + t * q_size, q_size, xq + t * q_size, dx + t * (q_size / QK), sx + t * (q_size / QK));
+            matmul_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, T, acc, proj);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                float *ht = h + t * H;
+                const float *pt = proj + t * H;
+                for (int i = 0; i < H; i++) ht[i] += pt[i] + (L->o_bias ? L->o_bias[i] : 0.0f);
+                norm_and_quantize(h, L->post_norm, t, H, m->eps, xn, xq, dx, sx);
+            }
+            matmul_shared(L->gate_up_kind, L->gate_up, 2 * (int64_t)I, H, xq, dx, sx, T, acc, gate_up);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                silu_and_mul(gate_up + t * 2 * I, I, act + t * I);
+                quantize_row(act + t * I, I, xq + t * I, dx + t * (I / QK), sx + t * (I / QK));
+            }
+            matmul_shared(L->down_kind, L->down, H, I, xq, dx, sx, T, acc, proj);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i];
         }
-        matvec_shared(L->gate_up_kind, L->gate_up, 2 * (int64_t)I, H, xq, dx, sx, gate_up);
-#pragma omp single
-        {
-            silu_and_mul(gate_up, I, act);
-            quantize_row(act, I, xq, dx, sx);
+        /* the final norm of the rows that give logits, as rows 0.. of xn and xq */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < outputs; r++) {
+            float *row = m->lm_head_kind ? xn : out;
+            rms_norm(h + (first_logits + r) * H, m->final_norm, H, m->eps, row + r * H);
+            if (m->lm_head_kind) quantize_row(xn + r * H, H, xq + r * H, dx + r * (H / QK), sx + r * (H / QK));
         }
-        matvec_shared(L->down_kind, L->down, H, I, xq, dx, sx, proj);
-#pragma omp single
-        for (int i = 0; i < H; i++) h[i] += proj[i];
+        if (m->lm_head_kind && outputs > 0)
+            matmul_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, outputs, acc, out);
     }
-    if (!m->lm_head_kind) {
-        rms_norm(h, m->final_norm, H, m->eps, out);
-        return 0;
-    }
-    rms_norm(h, m->final_norm, H, m->eps, xn);
-    quantize_row(xn, H, xq, dx, sx);
-#pragma omp parallel num_threads(num_threads)
-    matvec_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, out);
     return 0;
+}
+
+/* ------------------------------------------------ public: the ABI Python checks at load -- */
+
+#include <stddef.h>
+
+typedef struct {
+    const char *name;
+    int64_t value;
+} nls_abi_entry;
+
+#define ABI_CONSTANT(name) {#name, (int64_t)(name)}
+#define ABI_OFFSET(type, field) {#type "." #field, (int64_t)offsetof(type, field)}
+
+/* The constants, statuses and structure layouts native/ops.py mirrors: up to `capacity`
+ * (name, value) pairs into `names` / `values` (names are static strings); returns how many
+ * there are. Python refuses a library whose numbers differ from its own. */
+int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
+    const nls_abi_entry entries[] = {
+        ABI_CONSTANT(QK), ABI_CONSTANT(TILE), ABI_CONSTANT(KIND_Q4), ABI_CONSTANT(KIND_Q8),
+        {"TILE_BLOCK_BYTES_Q4", tile_block_bytes(KIND_Q4)}, {"TILE_BLOCK_BYTES_Q8", tile_block_bytes(KIND_Q8)},
+        ABI_CONSTANT(MAX_HEAD_DIM),
+        ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),
+        ABI_CONSTANT(NLS_BAD_BLOCK), ABI_CONSTANT(NLS_BAD_SHAPE),
+        {"sizeof(nls_layer)", (int64_t)sizeof(nls_layer)},
+        ABI_OFFSET(nls_layer, qkv_kind), ABI_OFFSET(nls_layer, o_kind), ABI_OFFSET(nls_layer, gate_up_kind),
+        ABI_OFFSET(nls_layer, down_kind), ABI_OFFSET(nls_layer, qkv), ABI_OFFSET(nls_layer, o),
+        ABI_OFFSET(nls_layer, gate_up), ABI_OFFSET(nls_layer, down), ABI_OFFSET(nls_layer, qkv_bias),
+        ABI_OFFSET(nls_layer, o_bias), ABI_OFFSET(nls_layer, input_norm), ABI_OFFSET(nls_layer, post_norm),
+        ABI_OFFSET(nls_layer, q_norm), ABI_OFFSET(nls_layer, k_norm), ABI_OFFSET(nls_layer, k_cache),
+        ABI_OFFSET(nls_layer, v_cache),
+        {"sizeof(nls_model)", (int64_t)sizeof(nls_model)},
+        ABI_OFFSET(nls_model, hidden), ABI_OFFSET(nls_model, intermediate), ABI_OFFSET(nls_model, num_heads),
+        ABI_OFFSET(nls_model, num_kv_heads), ABI_OFFSET(nls_model, head_dim), ABI_OFFSET(nls_model, num_layers),
+        ABI_OFFSET(nls_model, vocab), ABI_OFFSET(nls_model, block_size), ABI_OFFSET(nls_model, lm_head_kind),
+        ABI_OFFSET(nls_model, max_context), ABI_OFFSET(nls_model, num_blocks), ABI_OFFSET(nls_model, eps),
+        ABI_OFFSET(nls_model, attn_scale), ABI_OFFSET(nls_model, embed), ABI_OFFSET(nls_model, final_norm),
+        ABI_OFFSET(nls_model, rope), ABI_OFFSET(nls_model, lm_head), ABI_OFFSET(nls_model, layers),
+    };
+    const int64_t count = (int64_t)(sizeof entries / sizeof entries[0]);
+    for (int64_t i = 0; i < count && i < capacity; i++) {
+        names[i] = entries[i].name;
+        values[i] = entries[i].value;
+    }
+    return count;
 }

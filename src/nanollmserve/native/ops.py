@@ -1,45 +1,125 @@
 """The native ops as typed Python functions: the one place that calls into the C library.
 
-Each function checks the shapes, dtypes and devices of its tensors before any native code
-runs (a wrong pointer in C is a crash or silent garbage, a wrong shape here is a ValueError),
-passes the pointers, and turns the C status into an exception. Per-call scratch memory is a
-workspace allocated once and grown when a larger step needs more, not allocated per call.
+One function per C entry point (vLLM's `_custom_ops.py` is the model): it checks the shapes,
+dtypes, devices and contiguity of its tensors before any native code runs (a wrong pointer
+in C is a crash or silent garbage, a wrong shape here is a ValueError), passes the pointers,
+and turns the C status (NLS_* in native/native.h) into an exception: MemoryError for
+NLS_NO_MEMORY, ValueError naming what was out of range for the others. Per-call scratch
+memory is a `Workspace` allocated once per thread (the engine's) and grown when a larger
+step needs more, never allocated per call, here or in C.
+
+Each entry point's ctypes signature is declared beside the function that calls it, and
+`bind` sets them all on the library when `native/build.py` loads it. `bind` then checks the
+library's ABI (`nls_abi_info`: its constants, statuses, struct sizes and field offsets)
+against this side's (`model/gguf_blocks.py`, the statuses below, the ctypes structures of
+`engine/native_decode.py`) and refuses a library that differs: the kernels are then
+reported unavailable with the differences as the reason.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+import threading
+
 import torch
 
+from nanollmserve.model import gguf_blocks
 from nanollmserve.model.gguf_blocks import BLOCK_SIZE, TILE_BLOCK_BYTES, TILE_OUTPUTS
+from nanollmserve.native.build import NativeUnavailable, kernels_unavailable_reason, load_kernels
 
+MAX_HEAD_DIM = 256
+"""The largest head size the attention kernels hold in their accumulators."""
 NLS_NO_MEMORY = -1
+NLS_BAD_POSITION = -2
+NLS_BAD_TOKEN = -3
+NLS_BAD_BLOCK = -4
 NLS_BAD_SHAPE = -5
+_STATUS_NAMES = (
+    "NLS_NO_MEMORY", "NLS_BAD_POSITION", "NLS_BAD_TOKEN", "NLS_BAD_BLOCK", "NLS_BAD_SHAPE",
+)  # fmt: skip
+
+_i32, _i64, _int, _float, _ptr = (
+    ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+)  # fmt: skip
+_SIGNATURES: dict[str, tuple[list, type]] = {}
 
 
-class _Workspace:
-    """A byte buffer reused across calls, grown (never shrunk) to the largest request."""
+def _signature(name: str, argtypes: list, restype: type) -> None:
+    """Declares C function `name`'s signature; `bind` sets it on the loaded library."""
+    _SIGNATURES[name] = (argtypes, restype)
+
+
+class Workspace:
+    """A byte buffer reused across calls, grown (never shrunk) to the largest request. One
+    buffer per thread: two engines stepping in two threads of a process never share one."""
 
     def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._local = threading.local()
 
     def get(self, nbytes: int) -> torch.Tensor:
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer
+        """At least `nbytes` bytes (uint8), the same buffer as last time when it is large
+        enough."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._local.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer
 
 
-_matmul_workspace = _Workspace()
+MATMUL_WORKSPACE = Workspace()
+ATTENTION_WORKSPACE = Workspace()
+DRAW_WORKSPACE = Workspace()
 
 
-def _library():
-    from nanollmserve.native.build import load_kernels
+def available() -> bool:
+    """Whether the native library is loaded (built for this CPU, ABI checked)."""
+    return load_kernels() is not None
 
+
+def _library() -> ctypes.CDLL:
     library = load_kernels()
     if library is None:
-        from nanollmserve.native.build import kernels_unavailable_reason
-
         raise RuntimeError(f"the native kernels are unavailable: {kernels_unavailable_reason()}")
     return library
+
+
+def _check_tensor(
+    op: str, name: str, tensor: object, dtype: torch.dtype | None, dims: int | None
+) -> torch.Tensor:
+    """`tensor`, or ValueError when it is not a CPU tensor of `dtype` (None: any
+    floating-point dtype) with `dims` dimensions (None: any)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{op}: {name} is a {type(tensor).__name__}, not a tensor")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{op}: {name} is on {tensor.device}, not the CPU")
+    if dtype is None and not tensor.dtype.is_floating_point:
+        raise ValueError(f"{op}: {name} is {tensor.dtype}, not a floating-point tensor")
+    if dtype is not None and tensor.dtype != dtype:
+        raise ValueError(f"{op}: {name} is {tensor.dtype}, not {dtype}")
+    if dims is not None and tensor.dim() != dims:
+        raise ValueError(f"{op}: {name} {list(tensor.shape)} is not {dims}-dimensional")
+    return tensor
+
+
+def _raise_for(status: int, op: str, reasons: dict[int, str]) -> None:
+    """Nothing for status 0; else the exception the C status stands for."""
+    if status == 0:
+        return
+    if status == NLS_NO_MEMORY:
+        raise MemoryError(f"{op}: out of memory")
+    if status in reasons:
+        raise ValueError(f"{op} refused its inputs: {reasons[status]}")
+    raise RuntimeError(f"{op}: unexpected native status {status}")
+
+
+# ------------------------------------------------------------------ GGUF block matmul --
+
+_signature("nls_gguf_matmul_workspace_bytes", [_i64, _i64, _int], _i64)
+_signature(
+    "nls_gguf_matmul",
+    [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int],
+    _int,
+)
 
 
 def gguf_matmul(
@@ -48,9 +128,11 @@ def gguf_matmul(
     """x [rows, in] (any float dtype, CPU) @ W^T (+ bias) -> float32 [rows, out_features],
     W being `tiles` (uint8 [ceil(out / 16), in / 32, tile-block bytes of `kind`],
     `BlockRows.tiled()`)."""
-    if x.dim() != 2 or x.device.type != "cpu":
+    op = "GGUF matmul"
+    if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
         raise ValueError(
-            f"GGUF matmul: input {list(x.shape)} on {x.device} is not [rows, in] on the CPU"
+            f"{op}: input {list(x.shape)} ({x.dtype}) on {x.device} is not a float "
+            "[rows, in] on the CPU"
         )
     rows, in_features = x.shape
     expected = (
@@ -60,18 +142,22 @@ def gguf_matmul(
     )
     if (
         tiles.dtype != torch.uint8
+        or tiles.device.type != "cpu"
         or tuple(tiles.shape) != expected
         or not tiles.is_contiguous()
         or in_features % BLOCK_SIZE
         or in_features == 0
     ):
         raise ValueError(
-            f"GGUF matmul: tiles {list(tiles.shape)} ({tiles.dtype}) do not fit an input "
-            f"[{rows}, {in_features}] and {out_features} outputs of kind {kind}"
+            f"{op}: tiles {list(tiles.shape)} ({tiles.dtype}, {tiles.device}) do not fit an "
+            f"input [{rows}, {in_features}] and {out_features} outputs of kind {kind}"
         )
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+    if bias is not None and (
+        bias.dtype != torch.float32 or bias.shape != (out_features,) or bias.device.type != "cpu"
+    ):
         raise ValueError(
-            f"GGUF matmul: bias {list(bias.shape)} ({bias.dtype}) is not float32 [{out_features}]"
+            f"{op}: bias {list(bias.shape)} ({bias.dtype}, {bias.device}) is not float32 "
+            f"[{out_features}] on the CPU"
         )
     x = x.float().contiguous()
     out = torch.empty(rows, out_features)
@@ -80,14 +166,283 @@ def gguf_matmul(
     library = _library()
     threads = torch.get_num_threads()
     nbytes = library.nls_gguf_matmul_workspace_bytes(in_features, rows, threads)
-    workspace = _matmul_workspace.get(nbytes)
+    workspace = MATMUL_WORKSPACE.get(nbytes)
     status = library.nls_gguf_matmul(
         kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
         None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
         workspace.data_ptr(), workspace.numel(), threads,
     )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(
-            f"native GGUF matmul failed ({out_features}x{in_features}): status {status}"
-        )
+    _raise_for(status, f"{op} ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"})
     return out
+
+
+# -------------------------------------------------------------- paged decode attention --
+
+_signature("nls_paged_decode_attention_workspace_bytes", [_i32, _i32, _i64, _int], _i64)
+_signature(
+    "nls_paged_decode_attention",
+    [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i64, _float, _ptr, _i64, _ptr, _ptr,
+     _ptr, _i64, _int],
+    _int,
+)  # fmt: skip
+_ATTENTION_REFUSALS = {
+    NLS_BAD_POSITION: "a decode context is longer than its block table",
+    NLS_BAD_BLOCK: "a decode block table names a block outside the KV pool",
+    NLS_BAD_SHAPE: "heads or head size it cannot run",
+}
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [seqs, heads, head_dim] (float32) -> the same shape: each sequence attends to its
+    first context_lens[s] keys (int64 [seqs]) through its row of `block_tables` (int64
+    [seqs, width]), read in place from the paged caches (float32, contiguous,
+    [blocks, block_size, kv_heads, head_dim]). The C checks every length and block id it
+    reads through (no host sync here) and its refusals are ValueErrors."""
+    op = "native paged decode attention"
+    _check_tensor(op, "q", q, torch.float32, 3)
+    _check_tensor(op, "k_cache", k_cache, torch.float32, 4)
+    _check_tensor(op, "v_cache", v_cache, torch.float32, 4)
+    _check_tensor(op, "block_tables", block_tables, torch.int64, 2)
+    _check_tensor(op, "context_lens", context_lens, torch.int64, 1)
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            f"{op}: caches {list(k_cache.shape)} and {list(v_cache.shape)} are not one "
+            "contiguous shape"
+        )
+    if (
+        cache_head_dim != head_dim
+        or num_kv_heads == 0
+        or num_heads % num_kv_heads
+        or head_dim % 8
+        or not 0 < head_dim <= MAX_HEAD_DIM
+    ):
+        raise ValueError(
+            f"{op}: q {list(q.shape)} does not fit caches {list(k_cache.shape)} (heads a "
+            f"multiple of the KV heads, head_dim a multiple of 8 up to {MAX_HEAD_DIM})"
+        )
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"{op}: block tables {list(block_tables.shape)} and context lengths "
+            f"{list(context_lens.shape)} are not one row per query ({num_seqs})"
+        )
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{op}: scale {scale} is not a positive finite number")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    q, tables, lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    library = _library()
+    threads = torch.get_num_threads()
+    table_width = block_tables.shape[1]
+    nbytes = library.nls_paged_decode_attention_workspace_bytes(
+        num_heads, num_kv_heads, table_width * block_size, threads
+    )
+    workspace = ATTENTION_WORKSPACE.get(nbytes)
+    status = library.nls_paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_seqs, num_heads, num_kv_heads,
+        head_dim, block_size, num_blocks, scale, tables.data_ptr(), table_width,
+        lens.data_ptr(), out.data_ptr(), workspace.data_ptr(), workspace.numel(), threads,
+    )  # fmt: skip
+    _raise_for(status, op, _ATTENTION_REFUSALS)
+    return out
+
+
+# ---------------------------------------------------------------------- filtered draw --
+
+_signature("nls_filtered_draw_workspace_bytes", [_i64, _int], _i64)
+_signature(
+    "nls_filtered_draw",
+    [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _int],
+    _int,
+)
+_MAX_VOCAB = 2**31 - 1
+"""Token ids are kept in 32 bits in the draw's candidates."""
+
+
+def filtered_draw(
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """Rows of temperature-scaled logits `x` and their softmax `probs` (float32
+    [rows, vocab]), each row's filters (top_k int64, 0 = off; top_p float32, 1 = off; min_p
+    float32, 0 = off) and uniform `u` (float64 in [0, 1)) -> int64 [rows] token ids
+    (`native/sampling_cpu.c`), -1 for a row whose kept tokens have no mass."""
+    op = "native filtered draw"
+    _check_tensor(op, "x", x, torch.float32, 2)
+    _check_tensor(op, "probs", probs, torch.float32, 2)
+    rows, vocab = x.shape
+    if probs.shape != x.shape or not 0 < vocab <= _MAX_VOCAB:
+        raise ValueError(
+            f"{op}: logits {list(x.shape)} and probabilities {list(probs.shape)} are not one "
+            f"[rows, vocab] shape with vocab in [1, {_MAX_VOCAB}]"
+        )
+    for name, values, dtype in (
+        ("top_k", top_k, torch.int64),
+        ("top_p", top_p, torch.float32),
+        ("min_p", min_p, torch.float32),
+        ("u", u, torch.float64),
+    ):
+        _check_tensor(op, name, values, dtype, 1)
+        if values.shape[0] != rows:
+            raise ValueError(f"{op}: {name} {list(values.shape)} is not one value per row ({rows})")
+    tokens = torch.empty(rows, dtype=torch.int64)
+    if rows == 0:
+        return tokens
+    x, probs = x.contiguous(), probs.contiguous()
+    top_k, top_p, min_p, u = (t.contiguous() for t in (top_k, top_p, min_p, u))
+    library = _library()
+    threads = torch.get_num_threads()
+    workspace = DRAW_WORKSPACE.get(library.nls_filtered_draw_workspace_bytes(vocab, threads))
+    status = library.nls_filtered_draw(
+        x.data_ptr(), probs.data_ptr(), rows, vocab, top_k.data_ptr(), top_p.data_ptr(),
+        min_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), workspace.data_ptr(),
+        workspace.numel(), threads,
+    )  # fmt: skip
+    _raise_for(status, op, {NLS_BAD_SHAPE: f"bad shape [{rows}, {vocab}]"})
+    return tokens
+
+
+# ------------------------------------------------------------------------ decode step --
+
+_signature("nls_decode_scratch_bytes", [_ptr, _i64, _int], _i64)
+_signature("nls_decode_step", [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int], _int)
+_DECODE_REFUSALS = {
+    NLS_BAD_POSITION: "position out of range",
+    NLS_BAD_TOKEN: "token id outside the vocabulary",
+    NLS_BAD_BLOCK: "block id outside the KV pool",
+    NLS_BAD_SHAPE: "a token count, first_logits or scratch it cannot run",
+}
+DECODE_WORKSPACE = Workspace()
+
+
+def _check_model(op: str, model: object) -> ctypes.Structure:
+    from nanollmserve.engine.native_decode import _Model
+
+    if not isinstance(model, _Model):
+        raise ValueError(f"{op}: {type(model).__name__} is not the native model structure")
+    return model
+
+
+def decode_step(
+    model: ctypes.Structure,
+    tokens: torch.Tensor,
+    position: int,
+    block_table: torch.Tensor,
+    first_logits: int,
+    out: torch.Tensor,
+) -> None:
+    """The whole model (`nls_decode_step`, the `_Model` structure of
+    `engine/native_decode.py`) over `tokens` (int64 [T]), consecutive tokens of one sequence
+    from `position`: writes their K/V in the blocks of `block_table` (int64, reaching
+    position + T - 1) and, for tokens [first_logits, T), one row each of logits (or, without
+    a native lm_head, the final normed hidden state) into `out` (float32, contiguous). The
+    step's scratch memory is `DECODE_WORKSPACE`'s."""
+    op = f"native decode step (at {position})"
+    _check_model(op, model)
+    _check_tensor(op, "tokens", tokens, torch.int64, 1)
+    _check_tensor(op, "block_table", block_table, torch.int64, 1)
+    _check_tensor(op, "out", out, torch.float32, None)
+    count = tokens.shape[0]
+    if count == 0 or not 0 <= first_logits <= count:
+        raise ValueError(f"{op}: {count} tokens, first_logits {first_logits}: nothing to run")
+    if not 0 <= position <= model.max_context - count:
+        raise ValueError(f"{op}: position outside [0, {model.max_context - count}]")
+    if block_table.shape[0] <= (position + count - 1) // model.block_size:
+        raise ValueError(f"{op}: a block table of {block_table.shape[0]} blocks does not reach it")
+    width = model.vocab if model.lm_head_kind else model.hidden
+    if out.numel() != (count - first_logits) * width or not out.is_contiguous():
+        raise ValueError(
+            f"{op}: out {list(out.shape)} is not {count - first_logits} contiguous rows of {width}"
+        )
+    library = _library()
+    threads = torch.get_num_threads()
+    scratch = DECODE_WORKSPACE.get(
+        library.nls_decode_scratch_bytes(ctypes.byref(model), count, threads)
+    )
+    status = library.nls_decode_step(
+        ctypes.byref(model), tokens.contiguous().data_ptr(), count, position,
+        block_table.contiguous().data_ptr(), first_logits, scratch.data_ptr(), scratch.numel(),
+        out.data_ptr(), threads,
+    )  # fmt: skip
+    _raise_for(status, op, _DECODE_REFUSALS)
+
+
+# ------------------------------------------------------------------ binding and the ABI --
+
+_signature("nls_abi_info", [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_i64), _i64], _i64)
+
+
+def library_abi(library: ctypes.CDLL) -> dict[str, int]:
+    """The constants, statuses and struct layouts the library was built with
+    (`nls_abi_info`): name -> value."""
+    count = library.nls_abi_info(None, None, 0)
+    names, values = (ctypes.c_char_p * count)(), (ctypes.c_int64 * count)()
+    library.nls_abi_info(names, values, count)
+    return {name.decode(): value for name, value in zip(names, values, strict=True)}
+
+
+def expected_abi() -> dict[str, int]:
+    """What this side assumes of the library, in `nls_abi_info`'s names."""
+    from nanollmserve.engine.native_decode import _Layer, _Model
+
+    blocks = gguf_blocks
+    expected = {
+        "QK": blocks.BLOCK_SIZE,
+        "TILE": blocks.TILE_OUTPUTS,
+        "KIND_Q4": blocks.KIND_Q4,
+        "KIND_Q8": blocks.KIND_Q8,
+        "TILE_BLOCK_BYTES_Q4": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q4],
+        "TILE_BLOCK_BYTES_Q8": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q8],
+        "MAX_HEAD_DIM": MAX_HEAD_DIM,
+        **{name: globals()[name] for name in _STATUS_NAMES},
+    }
+    for c_name, structure in (("nls_layer", _Layer), ("nls_model", _Model)):
+        expected[f"sizeof({c_name})"] = ctypes.sizeof(structure)
+        for field, *_ in structure._fields_:
+            expected[f"{c_name}.{field}"] = getattr(structure, field).offset
+    return expected
+
+
+def abi_differences(library_values: dict[str, int], expected: dict[str, int]) -> list[str]:
+    """One line per difference. A struct field the library does not list is not one (its
+    size still has to match); a constant or field it lists that this side lacks is."""
+    differences = [
+        f"{name}: library {value}, Python {expected.get(name, 'missing')}"
+        for name, value in library_values.items()
+        if expected.get(name) != value
+    ]
+    differences += [
+        f"{name}: library missing, Python {value}"
+        for name, value in expected.items()
+        if name not in library_values and "." not in name
+    ]
+    return differences
+
+
+def bind(library: ctypes.CDLL) -> None:
+    """Sets every entry point's signature on `library`, then checks its ABI against this
+    side's; NativeUnavailable, with the differences, when the library does not match."""
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        try:
+            function = getattr(library, name)
+        except AttributeError:
+            raise NativeUnavailable(f"the native library has no {name} (a stale build?)") from None
+        function.argtypes, function.restype = argtypes, restype
+    differences = abi_differences(library_abi(library), expected_abi())
+    if differences:
+        raise NativeUnavailable(
+            "the native library does not match the Python side: " + "; ".join(differences)
+        )

@@ -18,8 +18,11 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+#include <omp.h>
+
+#include "native.h"
 
 /* A candidate is one uint64: a key that orders logits descending in its high 32 bits, the
  * token id in its low 32, so a radix sort on the high half sorts by logit (ties by id). */
@@ -120,27 +123,39 @@ static int64_t filtered_draw(const float *x, const float *probs, int64_t vocab, 
     return last;
 }
 
+/* One thread's candidates: 2 x `vocab`, rounded to whole cache lines. */
+static inline int64_t draw_scratch_bytes(int64_t vocab) {
+    return (2 * vocab * (int64_t)sizeof(candidate) + 63) / 64 * 64;
+}
+
+/* Bytes of the workspace `nls_filtered_draw` needs for rows of `vocab` on `num_threads`
+ * threads; 0 for sizes it cannot run. */
+int64_t nls_filtered_draw_workspace_bytes(int64_t vocab, int num_threads) {
+    if (vocab <= 0 || vocab > INT32_MAX || num_threads < 1) return 0;
+    return 64 + (int64_t)num_threads * draw_scratch_bytes(vocab);
+}
+
 /* Rows [rows, vocab] of `x` and `probs`, one filter set and uniform per row -> `tokens`
- * (-1 for a row whose kept tokens have no mass, or NaN mass: the caller's fallback picks). Returns 0, -1 when out of memory, or -5 (NLS_BAD_SHAPE, as in
- * gguf_cpu.c) when `rows` or `vocab` is out of range (ids are kept in 32 bits). */
+ * (-1 for a row whose kept tokens have no mass, or NaN mass: the caller's fallback picks).
+ * `workspace`: at least nls_filtered_draw_workspace_bytes(vocab, num_threads) bytes, reused
+ * across calls (each thread sorts its rows' candidates in its own slice). Returns 0, or
+ * NLS_BAD_SHAPE when `rows` or `vocab` is out of range (ids are kept in 32 bits) or the
+ * workspace too small. */
 int nls_filtered_draw(const float *x, const float *probs, int64_t rows, int64_t vocab,
                       const int64_t *top_k, const float *top_p, const float *min_p,
-                      const double *u, int64_t *tokens, int num_threads) {
-    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX) return -5;
-    int failed = 0;
+                      const double *u, int64_t *tokens, void *workspace, int64_t workspace_bytes,
+                      int num_threads) {
+    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX || num_threads < 1 || workspace == NULL ||
+        workspace_bytes < nls_filtered_draw_workspace_bytes(vocab, num_threads))
+        return NLS_BAD_SHAPE;
+    uint8_t *base = (uint8_t *)(((uintptr_t)workspace + 63) / 64 * 64);
 #pragma omp parallel num_threads(num_threads)
     {
-        candidate *scratch = malloc(sizeof(candidate) * 2 * (size_t)vocab);
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        candidate *scratch = (candidate *)(base + (int64_t)omp_get_thread_num() * draw_scratch_bytes(vocab));
 #pragma omp for schedule(dynamic)
         for (int64_t r = 0; r < rows; r++)
-            if (scratch)
-                tokens[r] = filtered_draw(x + r * vocab, probs + r * vocab, vocab, top_k[r], top_p[r],
-                                          min_p[r], u[r], scratch);
-        free(scratch);
+            tokens[r] = filtered_draw(x + r * vocab, probs + r * vocab, vocab, top_k[r], top_p[r],
+                                      min_p[r], u[r], scratch);
     }
-    return failed ? -1 : 0;
+    return 0;
 }

@@ -5,7 +5,8 @@ Its own routes: `GET /health` (200 while at least one worker is healthy, else 50
 models, merged). Stored responses (`/v1/responses/{id}`, `previous_response_id`) go to the
 worker that holds them (`response_locator.py`). Every other path and method is forwarded by
 the proxy to the worker the policy picks (`/v1/*`, `/generate`, `/batch_generate`,
-`/tokenize`, `/detokenize`, the paths without `/v1`, the playground page). The health
+`/tokenize`, `/detokenize`, the Messages API's `/v1/messages` and
+`/v1/messages/count_tokens`, the paths without `/v1`, the playground page). The health
 checker runs for the app's lifetime; the first round of checks ends before it serves.
 A body over `max_request_bytes` answers 413 before it is read whole (`body_limit.py`, the
 workers' own cap); with an API key, it is checked first (`auth.py`).
@@ -23,6 +24,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from nanollmserve import __version__
+from nanollmserve.anthropic_errors import AnthropicErrorShape
 from nanollmserve.body_limit import MAX_REQUEST_BYTES, BodySizeLimit, too_large_message
 from nanollmserve.router.auth import RouterAPIKeyMiddleware
 from nanollmserve.router.errors import error_response
@@ -142,6 +144,7 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
             api_key=settings.api_key,
             metrics_require_auth=settings.metrics_require_auth,
         )
+    app.add_middleware(AnthropicErrorShape)  # outside auth: its 401 too
     return app
 
 

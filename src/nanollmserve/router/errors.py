@@ -10,6 +10,8 @@ import json
 
 from starlette.responses import JSONResponse
 
+from nanollmserve.anthropic_errors import anthropic_error_body, is_messages_path
+
 
 def error_body(status_code: int, message: str, code: str | None) -> dict:
     kind = "authentication_error" if status_code == 401 else "invalid_request_error"
@@ -25,8 +27,12 @@ def error_response(
 
 
 def stream_error_event(path: str, message: str, code: str) -> bytes:
-    """The event that ends a broken stream: the Responses API's `event: error`, elsewhere a
-    `data: {"error": ...}` chunk and `data: [DONE]` (what a worker sends when it fails)."""
+    """The event that ends a broken stream: the Responses API's `event: error`, the Messages
+    API's (Anthropic's shape), elsewhere a `data: {"error": ...}` chunk and `data: [DONE]`
+    (what a worker sends when it fails)."""
+    if is_messages_path(path):
+        payload = anthropic_error_body(502, message)
+        return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
     if path.rstrip("/").endswith("/responses"):
         payload = {"type": "error", "code": code, "message": message, "param": None}
         return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()

@@ -83,9 +83,10 @@ class Proxy:
 
     def upstream_headers(self, request: Request) -> dict[str, str]:
         """The client's headers for the worker: hop-by-hop ones dropped, and with
-        `--worker-api-key` the worker's key instead of the client's."""
+        `--worker-api-key` the worker's key instead of the client's (either header)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         if self.worker_api_key:
+            headers.pop("x-api-key", None)
             headers["authorization"] = f"Bearer {self.worker_api_key}"
         return headers
 

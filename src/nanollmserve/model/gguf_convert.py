@@ -1,0 +1,143 @@
+"""What a GGUF file becomes in the cache: the model's files, its other tensors, its dense weights.
+
+Three conversions, each written once by `gguf_cache.py`:
+
+- `write_model_files`: config.json, generation_config.json and the tokenizer files (with the
+  chat template), everything but the weights. The config is mapped from the header with
+  transformers' own GGUF key table and the tokenizer built by transformers' GGUF tokenizer
+  converter, in the class `AutoTokenizer` would pick; about 0.7 s for the bundled model.
+  (`AutoConfig`/`AutoTokenizer` with `gguf_file=` would each parse the file with the gguf
+  package's reader first, 1.7 to 5 s apiece.)
+- `unblocked_tensors`: the tensors the GGUF block layers do not hold (embedding table, norms,
+  attention biases, an output projection stored in another type), dequantized to float32
+  with the gguf package, under our parameter names. With the blocks they are the whole model
+  (`loader.load_gguf_block_model`).
+- `write_dense_weights`: every tensor dequantized by transformers (`gguf_file=`) into
+  model.safetensors, ~20 s for the bundled model; only what runs dense weights needs it
+  (`--quantization none`, an explicit `--dtype`, tensor parallelism, LoRA, files whose linear
+  weights are K-quants, a machine without the native kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from nanollmserve.model.gguf_file import GGUFFile, read_gguf_file
+from nanollmserve.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_STRINGS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+_LAYER_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+"""`blk.N.<key>` -> our name under `model.layers.N` (stored as they are used)."""
+_QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+_ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+"""llama.cpp interleaves the rotary halves of these files' q/k rows (`gguf_blocks.py`)."""
+
+
+def write_model_files(gguf_path: Path, out_dir: Path) -> None:
+    """config.json, generation_config.json and the tokenizer files of `gguf_path`."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    gguf = read_gguf_file(gguf_path)
+    config = AutoConfig.for_model(**hf_config_dict(gguf))
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = torch.float32  # what the dequantized weights are
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    _tokenizer(gguf_path, config).save_pretrained(out_dir)
+
+
+def hf_config_dict(gguf: GGUFFile) -> dict:
+    """The transformers config of a llama/mistral/qwen2/qwen3 GGUF: what transformers'
+    `load_gguf_checkpoint` maps its metadata to, from the same key table."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    architecture = gguf.architecture
+    # llama.cpp writes Mistral files as llama; transformers tells them apart by name.
+    named_mistral = gguf.metadata.get("general.name") == "mistral"
+    model_type = "mistral" if "llama" in architecture and named_mistral else architecture
+    config = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
+    for key, value in gguf.metadata.items():
+        prefix, _, config_key = key.replace(architecture, model_type).partition(".")
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, model_type)
+        elif isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        renamed = renames.get(prefix, {}).get(config_key)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in gguf.metadata:
+        config["vocab_size"] = gguf.metadata["tokenizer.ggml.tokens"]  # its length
+    return config
+
+
+def _tokenizer(gguf_path: Path, config):
+    """The GGUF's tokenizer in the class `AutoTokenizer.from_pretrained(gguf_file=)` gives a
+    file with no tokenizer files beside it (the model type's class, else TokenizersBackend)."""
+    try:
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    except ImportError:  # transformers 4: its AutoTokenizer, parsing the file again
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    if tokenizer_class.__name__ == "MistralCommonBackend":  # needs files a GGUF does not have
+        tokenizer_class = TokenizersBackend
+    return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameter name -> float32 tensor, for every tensor of the file that is not a linear
+    weight of a decoder layer (those run as blocks): embedding table, norms, attention biases
+    and the output projection of an untied model. Tensors this mapping does not know are left
+    out: the loader then finds a parameter missing and loads the dense weights instead."""
+    gguf = read_gguf_file(gguf_path)
+    permuted = gguf.architecture in _ROTARY_PERMUTED_ARCHITECTURES
+    out: dict[str, torch.Tensor] = {}
+
+    def add(name: str, gguf_name: str) -> None:
+        out[name] = torch.from_numpy(gguf.dequantize(gguf_name))
+
+    add("model.embed_tokens.weight", "token_embd.weight")
+    add("model.norm.weight", "output_norm.weight")
+    if "output.weight" in gguf.tensors and not config.tie_word_embeddings:
+        add("lm_head.weight", "output.weight")
+    for layer in range(config.num_layers):
+        prefix, ours = f"blk.{layer}.", f"model.layers.{layer}."
+        for key, name in _LAYER_NORMS.items():
+            if prefix + key in gguf.tensors:
+                add(ours + name, prefix + key)
+        if prefix + "attn_output.bias" in gguf.tensors:
+            add(ours + "self_attn.o_proj.bias", prefix + "attn_output.bias")
+        qkv = [prefix + key for key in _QKV_BIASES]
+        if all(name in gguf.tensors for name in qkv) and not permuted:
+            biases = [torch.from_numpy(gguf.dequantize(name)) for name in qkv]
+            out[ours + "self_attn.qkv_proj.bias"] = torch.cat(biases)
+    return out
+
+
+def write_dense_weights(gguf_path: Path, out_dir: Path) -> None:
+    """model.safetensors: every tensor of `gguf_path` dequantized to float32 by transformers
+    (with its config.json beside it, which the caller may drop)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = gguf_path.parent, gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dequantized already; drop the GGUF "quantizer" so they can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)

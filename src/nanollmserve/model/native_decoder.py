@@ -1,0 +1,71 @@
+"""The model's declaration of itself for the native decode step (`engine/native_decode.py`).
+
+The decoder is defined once, in PyTorch (`model/llama.py`). A model that the native step can
+run describes itself as a `NativeDecoder`: its sizes, its options, and the tensors each layer
+reads (the GGUF projections, the norms, the biases, the layer's paged K/V cache). The native
+step is built from this declaration only, never from the model's internals; a model that
+cannot describe itself this way (an option the native layer does not have, weights that are
+not GGUF blocks, a sharded model) raises `NotNativeError` with the reason, and every step then
+runs the PyTorch forward.
+
+The options the native layer runs, each with its parity test in tests/test_native_decode.py:
+q/k/v and o biases (Llama `attention_bias`, Qwen2), q/k RMSNorm per head (Qwen3), a tied or
+untied output projection (in GGUF blocks, or left to `compute_logits`), any rotary scaling
+(baked into the cos/sin table), Mistral's sliding window while the context fits in it
+(`ModelConfig.max_context_len`). Not run: MLP biases (`mlp_bias`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanollmserve.layers.gguf_linear import GGUFLinear
+
+
+class NotNativeError(Exception):
+    """The model cannot run as the native decode step; the message says why."""
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    """One decoder layer: RMSNorm, fused q/k/v (+ bias), per-head q/k norm, RoPE, attention
+    over the paged cache, o (+ bias), residual, RMSNorm, gate/up, SiLU-and-mul, down,
+    residual."""
+
+    qkv: GGUFLinear
+    o: GGUFLinear
+    gate_up: GGUFLinear
+    down: GGUFLinear
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    """[head_dim] (Qwen3), or None."""
+    k_norm: torch.Tensor | None
+    k_cache: torch.Tensor
+    """[blocks, block_size, kv_heads, head_dim], bound by the model runner."""
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NativeDecoder:
+    """A Llama-family decoder in float32 on the CPU, its projections in GGUF blocks."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    attn_scale: float
+    embed: torch.Tensor
+    """[vocab, hidden] float32: the input embedding table."""
+    final_norm: torch.Tensor
+    rope: torch.Tensor
+    """[positions, head_dim]: cos of the half-dim frequencies, then sin."""
+    lm_head: GGUFLinear | None
+    """The output projection in GGUF blocks, or None: the step ends at the final norm and the
+    model's `compute_logits` projects."""
+    layers: tuple[NativeLayer, ...]

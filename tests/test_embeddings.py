@@ -1,0 +1,367 @@
+"""Embeddings (m23): `--runner pooling` / `--task embed` and `POST /v1/embeddings`.
+
+Parity: the pooled vector equals transformers' last hidden state (after the final norm,
+`output_hidden_states[-1]`) pooled the same way, cosine > 0.9999, for the bundled model with
+dense float32 weights, with its default GGUF blocks (the kernels compute in float32 from the
+blocks transformers' reference dequantizes, so the same bound holds), and for a tiny random
+causal model, one rank and two (tensor parallelism). Pooling runs over chunked prefills in
+a crowded pool. Over HTTP, with the openai SDK: every input shape, float and base64, usage,
+hostile values (400 naming the field, the server still up), the KV blocks all back after
+each request, and what a pooling server refuses (generation, gRPC Generate) and a
+generating server refuses (embeddings).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import torch
+from live_server import LiveServer, free_port, shared_server
+from test_grpc import run as grpc_run
+from test_model_parity import make_tiny_hf_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from nanollmserve import LLM
+from nanollmserve.errors import UserError
+from nanollmserve.model import resolve_model
+
+pytestmark = pytest.mark.milestone("m23")
+
+API_KEY = "embed-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 64
+NUM_BLOCKS = 64
+TEXTS = [
+    "The cat sat on the mat.",
+    "Paged attention keeps keys and values in fixed-size blocks. " * 12,  # chunked
+    "hi",
+]
+
+
+def pool(hidden: torch.Tensor, pooling_type: str, normalize: bool) -> torch.Tensor:
+    vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type]
+    return torch.nn.functional.normalize(vector, dim=-1) if normalize else vector
+
+
+def cosine(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+
+@pytest.fixture(scope="module")
+def hf_bundled():
+    path = resolve_model(None).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def hf_pooled(model, token_ids: list[int], pooling_type="LAST", normalize=True) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(torch.tensor([token_ids]), output_hidden_states=True).hidden_states[-1]
+    return pool(hidden[0], pooling_type, normalize)
+
+
+# -- the engine, offline ----------------------------------------------------------------------
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "pooling_type, normalize", [("LAST", True), ("MEAN", True), ("CLS", True), ("MEAN", False)]
+)
+def test_bundled_float32_matches_transformers(make_llm, hf_bundled, pooling_type, normalize):
+    config = {"pooling_type": pooling_type.lower(), "normalize": normalize}
+    # A budget of 32 tokens: the long text runs as several chunks, batched with the others.
+    llm = make_llm(runner="pooling", pooler_config=config, max_num_batched_tokens=32)
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    assert len(outputs[1].prompt_token_ids) > 32
+    for output in outputs:
+        choice = output.outputs[0]
+        assert choice.finish_reason == "stop" and choice.token_ids == []
+        expected = hf_pooled(hf_bundled[0], output.prompt_token_ids, pooling_type, normalize)
+        assert cosine(choice.embedding, expected) > 0.9999
+        if not normalize:  # the raw vector, not only its direction
+            assert torch.allclose(torch.tensor(choice.embedding), expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.timeout(600)
+def test_bundled_gguf_blocks_match_transformers(make_llm, hf_bundled):
+    llm = make_llm(runner="pooling", dtype="auto", pooler_config={"pooling_type": "MEAN"})
+    assert llm.engine.loaded.quantization == "gguf"
+    for output in llm.embed(TEXTS, use_tqdm=False):
+        expected = hf_pooled(hf_bundled[0], output.prompt_token_ids, "MEAN")
+        assert cosine(output.outputs[0].embedding, expected) > 0.9999
+
+
+@pytest.mark.timeout(600)
+def test_a_crowded_pool_embeds_as_one_request_alone(make_llm):
+    """Six 90-token prompts through a pool of 8 blocks (128 tokens) in chunks of 32: they wait
+    for blocks, run chunked beside one another, and embed as each does alone; every block is
+    back at the end (`make_llm` checks)."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 20000, (90,), generator=generator).tolist() for _ in range(6)]
+    args = dict(runner="pooling", pooler_config={"pooling_type": "MEAN"}, block_size=16)
+    alone = make_llm(num_kv_blocks=NUM_BLOCKS, **args)
+    expected = [alone.embed([p], use_tqdm=False)[0].outputs[0].embedding for p in prompts]
+    crowded = make_llm(num_kv_blocks=8, max_num_batched_tokens=32, **args)
+    got = crowded.embed(prompts, use_tqdm=False)
+    assert crowded.engine.stats().num_steps >= 6 * 90 // 32
+    for output, vector in zip(got, expected, strict=True):
+        assert cosine(output.outputs[0].embedding, vector) > 0.99999
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-embed")
+    make_tiny_hf_model(LlamaConfig, path, tie_word_embeddings=False)
+    AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_tiny_random_model_one_and_two_ranks_match_transformers(tiny_llama_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in (1, 9, 40)]
+    args = dict(
+        runner="pooling",
+        pooler_config={"pooling_type": "MEAN"},
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=32,
+        max_num_batched_tokens=16,
+    )
+    for ranks in (1, 2):
+        with LLM(str(tiny_llama_dir), tensor_parallel_size=ranks, **args) as llm:
+            for output in llm.embed(prompts, use_tqdm=False):
+                expected = hf_pooled(hf, output.prompt_token_ids, "MEAN")
+                assert cosine(output.outputs[0].embedding, expected) > 0.9999, ranks
+
+
+def test_what_a_pooling_engine_refuses(make_llm):
+    with pytest.raises(UserError, match="speculative decoding"):
+        LLM(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(UserError, match="pooling_type"):
+        LLM(runner="pooling", pooler_config='{"pooling_type": "ALL"}')
+    with pytest.raises(UserError, match="needs --runner pooling"):
+        LLM(pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(UserError, match="task must be embed or generate"):
+        LLM(task="score")
+    llm = make_llm(task="embed", num_kv_blocks=16)
+    assert llm.config.runner == "pooling"
+    with pytest.raises(ValueError, match="use LLM.embed"):
+        llm.generate("hi", use_tqdm=False)
+
+
+# -- over HTTP ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    grpc_port = free_port()
+    live = LiveServer.start(
+        "--task", "embed",  # vLLM's spelling of --runner pooling
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-kv-blocks", str(NUM_BLOCKS),
+        "--max-num-batched-tokens", "32",
+        "--max-num-seqs", "4",
+        "--max-queue-len", "8",
+        "--grpc-port", str(grpc_port),
+        api_key=API_KEY,
+    )  # fmt: skip
+    live.grpc_target = f"127.0.0.1:{grpc_port}"
+    yield live
+    live.stop()
+
+
+def assert_blocks_back(server) -> None:
+    stats = server.wait_idle()
+    assert stats["num_free_blocks"] == NUM_BLOCKS, stats
+
+
+@pytest.mark.timeout(300)
+def test_openai_sdk_inputs_formats_and_usage(server, hf_bundled):
+    model, tokenizer = hf_bundled
+    client = server.openai()
+    texts = ["A query about cats.", "Cats sleep a lot.", "Stock markets fell today."]
+    # The SDK asks for base64 unless told otherwise and decodes it after parsing, so only its
+    # default (lax) validation takes that answer, as it does OpenAI's own.
+    lax = server.openai(strict=False)
+    as_base64 = lax.embeddings.create(model=MODEL, input=texts)
+    as_floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    ids = [tokenizer.encode(t) for t in texts]
+    as_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    one_text = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    one_ids = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    assert as_floats.object == "list" and [d.index for d in as_floats.data] == [0, 1, 2]
+    assert as_floats.usage.prompt_tokens == as_floats.usage.total_tokens == sum(map(len, ids))
+    assert one_text.usage.prompt_tokens == len(ids[0])
+    for i, data in enumerate(as_floats.data):
+        assert data.object == "embedding" and len(data.embedding) == 576
+        assert math.isclose(sum(x * x for x in data.embedding), 1.0, rel_tol=1e-4)
+        assert cosine(data.embedding, hf_pooled(model, ids[i])) > 0.9999
+        assert np.allclose(as_base64.data[i].embedding, data.embedding, atol=1e-6)
+        assert np.allclose(as_ids.data[i].embedding, data.embedding, atol=1e-5)
+    assert np.allclose(one_text.data[0].embedding, as_floats.data[0].embedding, atol=1e-5)
+    assert np.allclose(one_ids.data[0].embedding, as_floats.data[0].embedding, atol=1e-5)
+    assert_blocks_back(server)
+
+
+def test_base64_is_float32_little_endian(server):
+    with server.client() as http:
+        body = {"input": "hello", "encoding_format": "base64"}
+        encoded = http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"]
+        body["encoding_format"] = "float"
+        floats = http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
+    assert np.allclose(decoded, floats, atol=1e-6)
+
+
+def test_an_input_of_max_model_len_tokens_is_embedded(server):
+    with server.client() as http:
+        reply = http.post("/v1/embeddings", json={"input": [[7] * MAX_MODEL_LEN]})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+
+
+HOSTILE = [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [""]}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": [49152]}, "input"),  # out of the vocabulary
+    ({"input": [[1, 2], [10**9]]}, "input"),
+    ({"input": [-1]}, "input"),
+    ({"input": [2**40]}, "input"),
+    ({"input": [1.5]}, "input"),
+    ({"input": [True, False]}, "input"),
+    ({"input": None}, "input"),
+    ({"input": {"text": "a"}}, "input"),
+    ({"input": [["a"]]}, "input"),
+    ({"input": ["a", 1]}, "input"),
+    ({"input": [[1] * (MAX_MODEL_LEN + 1)]}, "input"),  # longer than the model's context
+    ({"input": "word " * 400}, "input"),
+    ({"input": ["a"] * 13}, "input"),  # more than the server admits at once (4 + 8)
+    ({"input": ["a"] * 257}, "input"),  # more than any request may carry
+    ({"input": "a", "dimensions": 64}, "dimensions"),
+    ({"input": "a", "dimensions": 576}, "dimensions"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
+    ({"input": "a", "dimensions": -3}, "dimensions"),
+    ({"input": "a", "dimensions": "5"}, "dimensions"),
+    ({"input": "a", "dimensions": 1e300}, "dimensions"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "a", "encoding_format": None}, "encoding_format"),
+    ({"input": "a", "model": "other-model"}, "model"),
+    ({"input": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"input": "a", "user": "u" * 100_000}, "user"),
+]
+
+
+@pytest.mark.parametrize("body, param", HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
+def test_hostile_requests_are_400_naming_the_field(server, body, param):
+    with server.client() as http:
+        reply = http.post("/v1/embeddings", json=body)
+    assert reply.status_code in (400, 404), reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert server.process.poll() is None
+
+
+def test_non_finite_numbers_are_400(server):
+    with server.client() as http:
+        for raw in ('{"input": [NaN]}', '{"input": "a", "dimensions": Infinity}'):
+            reply = http.post(
+                "/v1/embeddings", content=raw, headers={"Content-Type": "application/json"}
+            )
+            assert reply.status_code == 400, reply.text
+    assert_blocks_back(server)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_generation_routes_are_refused_on_a_pooling_server(server):
+    client = server.openai()
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert "--runner pooling" in info.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi")
+
+
+def test_grpc_generate_is_refused_on_a_pooling_server(server):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        grpc_run(server, lambda c: c.generate("hi", max_tokens=4), api_key=API_KEY)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--runner pooling" in info.value.details()
+
+
+def test_a_generating_server_refuses_embeddings_naming_the_flag():
+    live = shared_server()
+    with live.client() as http:
+        reply = http.post("/v1/embeddings", json={"input": "hello"})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "model" and "--runner pooling" in error["message"]
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_adapter_embeds_like_peft_merged(make_llm, hf_bundled):
+    from lora_adapters import adapter_dir, load_base
+    from peft import PeftModel
+
+    from nanollmserve.lora_request import LoRARequest
+
+    adapter = adapter_dir(seed=11)
+    llm = make_llm(runner="pooling", enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("embed-lora", 1, str(adapter))
+    with_lora, without = llm.embed(TEXTS[:2], use_tqdm=False, lora_request=[lora, None])
+    merged = PeftModel.from_pretrained(load_base(), adapter).merge_and_unload().eval()
+    ids = with_lora.prompt_token_ids
+    assert cosine(with_lora.outputs[0].embedding, hf_pooled(merged, ids)) > 0.9999
+    base = hf_pooled(hf_bundled[0], without.prompt_token_ids)
+    assert cosine(without.outputs[0].embedding, base) > 0.9999
+    assert cosine(with_lora.outputs[0].embedding, hf_pooled(hf_bundled[0], ids)) < 0.999
+
+
+@pytest.mark.timeout(300)
+def test_the_router_forwards_embeddings(server):
+    from cluster_process import ClusterProcess
+
+    port = free_port()
+    router = ClusterProcess.start(
+        "router", port, "--port", str(port), "--worker", server.url,
+        api_key=API_KEY, num_workers=1,
+    )  # fmt: skip
+    try:
+        via_router = router.openai().embeddings.create(
+            model=MODEL, input=["routed text", "another"], encoding_format="float"
+        )
+    finally:
+        router.stop()
+    direct = server.openai().embeddings.create(
+        model=MODEL, input=["routed text", "another"], encoding_format="float"
+    )
+    for routed, own in zip(via_router.data, direct.data, strict=True):
+        assert np.allclose(routed.embedding, own.embedding, atol=1e-5)
+    assert via_router.usage.prompt_tokens == direct.usage.prompt_tokens
+
+
+@pytest.mark.timeout(600)
+def test_bench_serve_drives_embeddings_with_an_hf_baseline(server):
+    from bench_cli import run_bench
+
+    result = run_bench(
+        "serve", "--base-url", server.url, "--api-key", API_KEY, "--endpoint", "embeddings",
+        "--num-prompts", "8", "--input-len", "16", "--max-concurrency", "4",
+        "--hf-baseline", "--disable-tqdm",
+    )  # fmt: skip
+    assert result["endpoint"] == "embeddings"
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_input_tokens"] == 8 * 16 and result["total_output_tokens"] == 0
+    baseline = result["hf_baseline"]
+    assert baseline["num_texts"] == 8 and baseline["batch_size"] == 32
+    assert baseline["input_token_throughput"] > 0
+    assert baseline["ours_vs_hf_input_token_throughput"] > 0
