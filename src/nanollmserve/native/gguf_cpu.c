@@ -81,10 +81,8 @@ static void quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, floa
 /* Accumulates one tile against rows [0, rows): acc[r][0..15] += scaled block sums (and, for
  * Q4, acc[r][16..31] += the m terms). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64_t nb, int64_t in,
-                                   const int16_t *xq, const float *dx, const float *sx,
-                                   int64_t rows, float *acc) {
-    __m512i w[16];
+/* A tile-block's codes widened to 16-bit: w[p] holds the 16 outputs' codes for inputs 2p, 2p+1. */
+static inline __attribute__((always_inline)) void widen_tile_block(int kind, const uint8_t *tb, __m512i w[16]) {
     if (kind == KIND_Q4) {
         const __m256i low = _mm256_set1_epi8(0x0F);
         for (int g = 0; g < 8; g++) {
@@ -96,6 +94,13 @@ static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64
         for (int p = 0; p < 16; p++)
             w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * p)));
     }
+}
+
+static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64_t nb, int64_t in,
+                                   const int16_t *xq, const float *dx, const float *sx,
+                                   int64_t rows, float *acc) {
+    __m512i w[16];
+    widen_tile_block(kind, tb, w);
     const int code_bytes = kind == KIND_Q4 ? 256 : 512;
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes)));
     const __m512 mw = kind == KIND_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes + 32)))
@@ -308,17 +313,7 @@ static inline __attribute__((always_inline)) void tile_times_few_rows(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes;
         __m512i w[16];
-        if (kind == KIND_Q4) {
-            const __m256i low = _mm256_set1_epi8(0x0F);
-            for (int g = 0; g < 8; g++) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
-                w[g] = _mm512_cvtepu8_epi16(_mm256_and_si256(c, low));
-                w[g + 8] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low));
-            }
-        } else {
-            for (int p = 0; p < 16; p++)
-                w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * p)));
-        }
+        widen_tile_block(kind, tb, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + code_bytes)));
         for (int r = 0; r < ROWS; r++) {
             const int32_t *x = (const int32_t *)(xq + r * in + b * QK);
