@@ -35,6 +35,11 @@ FEATURES = {
     "structured": "Structured output",
     "grpc": "gRPC",
     "router": "Router",
+    "reasoning": "Reasoning parser",
+    "embed": "Embeddings",
+    "messages": "Messages API",
+    "priority": "Priority scheduling",
+    "tokenio": "Token-level I/O",
     "cuda": "CUDA",
 }
 NOT_RUN_ALLOWED = {"cuda"}  # the only feature no machine here can run
@@ -70,6 +75,18 @@ TP_REFUSED = TP + "test_unsupported_features_are_refused_before_ranks_start[{}]"
 Q_SPEC = QUANT + "test_speculation_runs_on_the_quantized_weights[{}]"
 Q_GRPC = QUANT + "test_structured_output_over_grpc_on_the_quantized_weights[{}]"
 Q_ROUTER = QUANT + "test_router_in_front_of_the_quantized_worker_keeps_the_schema[{}]"
+REASONING = "tests/test_compat_reasoning.py::"
+R_SHARDED = REASONING + "test_sharded_worker_splits_the_thinking_through_the_router"
+R_MESSAGES = REASONING + "test_messages_on_the_sharded_worker_through_the_router"
+R_GRPC = REASONING + "test_grpc_chat_splits_the_thinking_and_returns_token_level_output"
+R_INT8 = REASONING + "test_int8_weights_think_answer_and_score_the_prompt"
+MESSAGES = "tests/test_compat_messages.py::"
+M_ADAPTER = MESSAGES + "test_naming_the_adapter_runs_it_under_the_messages_api_and_the_parser"
+EMBED = "tests/test_compat_embed.py::"
+EMBEDDINGS = "tests/test_embeddings.py::"
+TOKEN_IO = "tests/test_token_io_compat.py::"
+T_SHARDED = TOKEN_IO + "test_tensor_parallel_worker_over_router_and_grpc"
+UNRECOGNIZED = "Unrecognized request argument supplied: {}"
 
 CELLS: dict[tuple[str, str], Cell] = {
     ("tp", "gguf"): refused(
@@ -158,6 +175,159 @@ CELLS: dict[tuple[str, str], Cell] = {
     ("router", "cuda"): not_run(
         "The router itself never touches a device; workers on CUDA: " + NO_GPU
     ),
+    # -- reasoning parser (--reasoning-parser) ----------------------------------------------
+    ("tp", "reasoning"): works(R_SHARDED),
+    ("gguf", "reasoning"): works(
+        MESSAGES + "test_gguf_blocks_thinking_the_prompt_opens_is_reasoning_content",
+        note="A grammar with the parser needs `<think>` to be one token, which the bundled "
+        "model's tokenizer lacks: a 400 naming `response_format` "
+        "(tests/test_reasoning_server.py::test_grammar_refused_where_think_is_not_one_token).",
+    ),
+    ("int8", "reasoning"): works(R_INT8),
+    ("lora", "reasoning"): works(M_ADAPTER),
+    ("spec", "reasoning"): works(
+        "tests/test_reasoning_grammar.py::test_ngram_drafts_across_the_end_of_thinking",
+        MESSAGES + "test_a_message_runs_with_accepted_drafts",
+        note="Drafts are cut at `</think>`, where the grammar starts.",
+    ),
+    ("structured", "reasoning"): works(
+        "tests/test_reasoning_server.py::test_json_schema_applies_after_the_thinking",
+        "tests/test_reasoning_grammar.py::test_choice_applies_after_the_thinking_the_model_opens",
+        REASONING + "test_a_grpc_grammar_applies_after_the_thinking",
+        note="The grammar applies to the answer after `</think>`, never to the thinking.",
+    ),
+    ("grpc", "reasoning"): works(
+        R_GRPC,
+        REASONING + "test_a_grpc_grammar_applies_after_the_thinking",
+        "tests/test_reasoning_server.py::test_default_kwargs_reach_grpc_chats",
+        note="gRPC chats (`messages`) get `reasoning_content`; a `prompt` is not split, as "
+        "on completions.",
+    ),
+    ("router", "reasoning"): works(R_SHARDED),
+    ("reasoning", "cuda"): not_run(NO_GPU),
+    # -- embeddings (--runner pooling) -------------------------------------------------------
+    ("tp", "embed"): works(
+        EMBEDDINGS + "test_tiny_random_model_one_and_two_ranks_match_transformers"
+    ),
+    ("gguf", "embed"): works(EMBEDDINGS + "test_bundled_gguf_blocks_match_transformers"),
+    ("int8", "embed"): works(EMBED + "test_int8_weights_embed_like_float32"),
+    ("lora", "embed"): works(EMBEDDINGS + "test_a_lora_adapter_embeds_like_peft_merged"),
+    ("spec", "embed"): refused(
+        "speculative decoding has nothing to speed up with --runner pooling",
+        EMBEDDINGS + "test_what_a_pooling_engine_refuses",
+        note="A pooling runner only prefills: there are no decode steps to draft for.",
+    ),
+    ("structured", "embed"): refused(
+        UNRECOGNIZED.format("response_format"),
+        EMBEDDINGS + "test_hostile_requests_are_400_naming_the_field[27]",
+        note="Nothing is generated to constrain: a 400 naming `response_format`.",
+    ),
+    ("grpc", "embed"): refused(
+        "this server embeds (--runner pooling): it serves /v1/embeddings, not text generation",
+        EMBEDDINGS + "test_grpc_generate_is_refused_on_a_pooling_server",
+        note="INVALID_ARGUMENT: embeddings are an HTTP route; gRPC serves generation only.",
+    ),
+    ("router", "embed"): works(EMBEDDINGS + "test_the_router_forwards_embeddings"),
+    ("reasoning", "embed"): refused(
+        "--reasoning-parser has nothing to parse with --runner pooling",
+        EMBED + "test_a_reasoning_parser_with_the_pooling_runner_is_refused_at_start",
+    ),
+    ("embed", "cuda"): not_run(NO_GPU),
+    # -- the Anthropic Messages API (/v1/messages) -------------------------------------------
+    ("tp", "messages"): works(R_MESSAGES),
+    ("gguf", "messages"): works(MESSAGES + "test_gguf_blocks_answer_a_message_as_chat"),
+    ("int8", "messages"): works(R_INT8),
+    ("lora", "messages"): works(M_ADAPTER, note="`model` names the adapter."),
+    ("spec", "messages"): works(MESSAGES + "test_a_message_runs_with_accepted_drafts"),
+    ("structured", "messages"): works(
+        "tests/test_anthropic_messages.py::test_a_forced_tool_gives_a_tool_use_block",
+        note="Anthropic's API has no `response_format`: a forced tool (`tool_choice` `any` "
+        "or `tool`) is the grammar-constrained output.",
+    ),
+    ("grpc", "messages"): works(
+        R_GRPC,
+        note="One server answers `/v1/messages` and gRPC chats with the same text; the "
+        "Messages API itself is HTTP only.",
+    ),
+    ("router", "messages"): works(
+        "tests/test_anthropic_messages.py::test_the_router_forwards_both_routes", R_MESSAGES
+    ),
+    ("reasoning", "messages"): works(
+        "tests/test_anthropic_messages.py::test_reasoning_comes_back_as_a_thinking_block",
+        note="The thinking is a `thinking` block, the answer a `text` block.",
+    ),
+    ("embed", "messages"): refused(
+        "this server embeds (--runner pooling): it serves /v1/embeddings, not text generation",
+        EMBED + "test_messages_are_refused_on_a_pooling_server",
+    ),
+    ("messages", "cuda"): not_run(NO_GPU),
+    # -- priority scheduling (--scheduling-policy priority) ----------------------------------
+    ("tp", "priority"): works(T_SHARDED, R_SHARDED),
+    ("gguf", "priority"): works(TOKEN_IO + "test_with_gguf_blocks"),
+    ("int8", "priority"): works(R_INT8),
+    ("lora", "priority"): works(
+        TOKEN_IO + "test_with_lora",
+        note="A request still waits for an adapter slot; it preempts only for KV blocks or "
+        "`--max-num-seqs`.",
+    ),
+    ("spec", "priority"): works(
+        TOKEN_IO + "test_with_speculative_decoding",
+        note="A preempted request's drafts are dropped.",
+    ),
+    ("structured", "priority"): works(TOKEN_IO + "test_with_structured_output"),
+    ("grpc", "priority"): works(
+        "tests/test_priority_server.py::test_priority_on_chat_responses_and_grpc",
+        "tests/test_priority_server.py::test_grpc_priority_on_a_fcfs_server_is_invalid_argument",
+    ),
+    ("router", "priority"): works(
+        T_SHARDED,
+        R_SHARDED,
+        note="The router passes `priority` on; each worker orders its own requests, the "
+        "router does not order them across workers.",
+    ),
+    ("reasoning", "priority"): works(R_SHARDED, R_INT8),
+    ("embed", "priority"): works(
+        EMBED + "test_priority_is_taken_and_keeps_the_vectors",
+        EMBED + "test_hostile_priorities_are_400s_naming_priority[float]",
+    ),
+    ("messages", "priority"): works(
+        R_MESSAGES,
+        R_INT8,
+        MESSAGES + "test_priority_on_messages_is_checked_as_on_chat[nonzero-on-fcfs]",
+        note="`priority` is a nanollmserve extension of `/v1/messages`, checked as on chat.",
+    ),
+    ("priority", "cuda"): not_run(NO_GPU),
+    # -- token-level I/O (return_token_ids, prompt_logprobs, token-id prompts) --------------
+    ("tp", "tokenio"): works(T_SHARDED),
+    ("gguf", "tokenio"): works(TOKEN_IO + "test_with_gguf_blocks"),
+    ("int8", "tokenio"): works(R_INT8),
+    ("lora", "tokenio"): works(TOKEN_IO + "test_with_lora"),
+    ("spec", "tokenio"): works(TOKEN_IO + "test_with_speculative_decoding"),
+    ("structured", "tokenio"): works(
+        TOKEN_IO + "test_with_structured_output",
+        note="Prompt logprobs are the raw model's: no grammar applies to the prompt.",
+    ),
+    ("grpc", "tokenio"): works(
+        R_GRPC,
+        REASONING + "test_grpc_prompt_logprobs_beyond_the_limit_are_invalid_argument",
+        note="`return_token_ids` and `sampling.prompt_logprobs`, equal to HTTP's.",
+    ),
+    ("router", "tokenio"): works(T_SHARDED, R_SHARDED),
+    ("reasoning", "tokenio"): works(R_SHARDED, R_GRPC),
+    ("embed", "tokenio"): works(
+        EMBED + "test_token_id_inputs_embed_like_their_text_and_generation_fields_are_refused",
+        note="Token-id inputs embed like their text; `return_token_ids` and "
+        "`prompt_logprobs` are generation fields, a 400 naming them.",
+    ),
+    ("messages", "tokenio"): refused(
+        UNRECOGNIZED.format("return_token_ids"),
+        MESSAGES + "test_token_level_fields_are_refused_on_messages[return_token_ids]",
+        MESSAGES + "test_token_level_fields_are_refused_on_messages[prompt_logprobs]",
+        note="Anthropic's message has no place for token ids or logprobs: a 400 "
+        "`invalid_request_error` naming the field.",
+    ),
+    ("priority", "tokenio"): works(TOKEN_IO + "test_with_gguf_blocks", T_SHARDED),
+    ("tokenio", "cuda"): not_run(NO_GPU),
 }
 
 MARKS = {"works": "✅", "refused": "⛔", "not run": "❔"}

@@ -1,13 +1,17 @@
 """Where an engine step's time goes: the breakdown table of docs/benchmarks.md.
 
-    .venv/bin/python scripts/profile_breakdown.py [--batch 1,32] [--steps 30] [--serve]
+    .venv/bin/python scripts/profile_breakdown.py [--batch 1,32] [--steps 30]
+        [--paths native,forward] [--serve]
 
 Offline part: the bundled model (CPU default dtype), B requests decoding together; each
 step is split, with wall-clock timers around the engine's own functions (no profiler, whose
 per-op cost would distort a step of ~1000 small ops), into scheduling, input building, model
 forward, the attention layers inside it (K/V store, gather through the block tables, SDPA),
-logits (or, for one request with GGUF blocks, the native decode step that does all three),
-sampling, engine update and detokenization (the output processor). `--serve` adds
+logits (or, with GGUF blocks, the native decode step that does all three, itself split by
+its own timers into its products, attention, rotary + K/V write and the rest:
+`ops.decode_profile`), sampling, engine update and detokenization (the output processor).
+`--paths native,forward` measures each batch both ways in one run: the native step, then
+the PyTorch forward on the same engine (`native_decode` switched off). `--serve` adds
 the server's share: our server under `bench serve` at concurrency 32, with the CPU time of
 the HTTP thread (the process's main thread: asyncio, JSON, SSE) against the whole process,
 read from /proc.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -31,9 +36,14 @@ from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.layers.attention import PagedAttention
 
 
-def offline(batch: int, steps: int) -> dict:
-    llm = LLM(num_kv_blocks=4096)
+def offline(llm: LLM, batch: int, steps: int, path: str) -> dict:
+    from nanollmserve.native import ops
+
     engine, runner = llm.engine, llm.engine.model_runner
+    runner.native_decode = NATIVE_STEP.get(runner, runner.native_decode)
+    NATIVE_STEP[runner] = runner.native_decode
+    if path == "forward":
+        runner.native_decode = None
     timings = dict.fromkeys(
         ["schedule", "inputs", "forward", "attention", "logits", "native", "sampling", "update",
          "detokenize"],
@@ -50,17 +60,22 @@ def offline(batch: int, steps: int) -> dict:
 
         return wrapper
 
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine.scheduler.update_from_output = timed("update", engine.scheduler.update_from_output)
-    runner._prepare_inputs = timed("inputs", runner._prepare_inputs)
-    runner.model.forward = timed("forward", runner.model.forward)
-    PagedAttention.forward = timed("attention", PagedAttention.forward)
-    runner.model.compute_logits = timed("logits", runner.model.compute_logits)
-    if runner.native_decode is not None:  # one request's decode step as one native call
-        runner.native_decode = timed("native", runner.native_decode)
-    runner.sampler.__class__.__call__ = timed("sampling", runner.sampler.__class__.__call__)
+    originals = [
+        (engine.scheduler, "schedule", "schedule"),
+        (engine.scheduler, "update_from_output", "update"),
+        (runner, "_prepare_inputs", "inputs"),
+        (runner.model, "forward", "forward"),
+        (PagedAttention, "forward", "attention"),
+        (runner.model, "compute_logits", "logits"),
+        (runner, "native_decode", "native"),
+        (runner.sampler.__class__, "__call__", "sampling"),
+        (llm.driver.output_processor, "process_outputs", "detokenize"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in originals]
+    for owner, attr, name in originals:
+        if getattr(owner, attr) is not None:
+            setattr(owner, attr, timed(name, getattr(owner, attr)))
     processor = llm.driver.output_processor
-    processor.process_outputs = timed("detokenize", processor.process_outputs)
     for output_id, text in [(str(i), "Once upon a time " * 32) for i in range(batch)]:
         prompt, token_ids = llm.input_processor.tokenize(text)
         params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
@@ -74,12 +89,18 @@ def offline(batch: int, steps: int) -> dict:
         processor.process_outputs(engine.step().outputs)
     for key in timings:
         timings[key] = 0.0
+    ops.decode_profile(enable=True)
     start = time.perf_counter()
     for _ in range(steps):
         processor.process_outputs(engine.step().outputs)
     total = time.perf_counter() - start
+    native_parts = ops.decode_profile(enable=False)
     attention = timings["attention"]
     engine.abort_requests([str(i) for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    for owner, attr, original in saved:
+        setattr(owner, attr, original)
     parts = {
         "model forward (without attention)": timings["forward"] - attention,
         "attention (paged: store, gather, SDPA)": attention,
@@ -90,13 +111,21 @@ def offline(batch: int, steps: int) -> dict:
         "detokenize (output processor)": timings["detokenize"],
     }
     parts["other"] = total - sum(parts.values())
-    return {
+    result = {
         "batch": batch,
+        "path": path,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "step_ms": round(total / steps * 1000, 2),
         "ms_per_step": {k: round(v / steps * 1000, 2) for k, v in parts.items()},
         "percent": {k: round(100 * v / total, 1) for k, v in parts.items()},
     }
+    if timings["native"]:
+        result["native_step_ms"] = {k: round(v / steps * 1000, 2) for k, v in native_parts.items()}
+    return result
+
+
+NATIVE_STEP: dict = {}
+"""The runner's native step, kept while a `forward` measurement switches it off."""
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -138,12 +167,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--paths", default="native", help="native, forward or native,forward")
     parser.add_argument("--serve", action="store_true")
     args = parser.parse_args()
+    from nanollmserve.bench.provenance import provenance
+
     result = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    result["offline"] = [offline(int(b), args.steps) for b in args.batch.split(",")]
+    llm = LLM(num_kv_blocks=4096)
+    result["offline"] = [
+        offline(llm, int(b), args.steps, path)
+        for b in args.batch.split(",")
+        for path in args.paths.split(",")
+    ]
     if args.serve:
         result["serve"] = serve_share()
+    result["provenance"] = provenance() | {
+        "command": shlex.join([".venv/bin/python", "scripts/profile_breakdown.py", *sys.argv[1:]])
+    }
     print(json.dumps(result, indent=2))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 from test_model_loading import write_tiny_gguf
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from nanollmserve import LLM, SamplingParams
 from nanollmserve.layers.gguf_linear import GGUFLinear
@@ -134,10 +134,15 @@ def test_the_model_files_are_what_transformers_reads_from_the_gguf(
     path = write_tiny_gguf(tmp_path / "tiny.gguf", architecture=architecture, name=name)
     entry = resolve_model(str(path)).path
     ours = AutoConfig.from_pretrained(entry).to_dict()
-    reference = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).to_dict()
+    reference_config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    reference = reference_config.to_dict()
     for key in ("_name_or_path", "architectures", "dtype", "transformers_version"):
         ours.pop(key, None), reference.pop(key, None)
     assert ours == reference
+    generation = GenerationConfig.from_pretrained(entry)
+    expected = GenerationConfig.from_model_config(reference_config)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(generation, key) == getattr(expected, key), key
     AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name).save_pretrained(tmp_path / "ref")
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (entry / file).read_bytes() == (tmp_path / "ref" / file).read_bytes(), file

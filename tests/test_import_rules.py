@@ -27,6 +27,8 @@ FORBIDDEN = {
     # The router is a small HTTP process: no engine, no torch (api/ and metrics/ load them).
     "router": ["api", "frontend", "engine", "model", "layers", "metrics", "cli", "bench", "llm"],
     "cluster": ["api", "frontend", "engine", "model", "layers", "metrics", "cli", "bench", "llm"],
+    # Request tracing is shared by the API and the router, so it is held to the router's rule.
+    "tracing": ["api", "frontend", "engine", "model", "layers", "metrics", "cli", "bench", "llm"],
 }
 
 

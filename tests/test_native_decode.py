@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from nanollmserve import LLM, SamplingParams
-from nanollmserve.engine.native_decode import NativeDecodeStep
+from nanollmserve.engine.native_decode import NativeDecodeStep, StepSpan
 from nanollmserve.errors import UserError
 from nanollmserve.layers.attention_context import AttentionContext, PrefillSpan, set_context
 from nanollmserve.layers.gguf_linear import GGUFLinear
@@ -45,11 +45,9 @@ class CountingStep:
         self.step = step
         self.calls: list[tuple[int, torch.Tensor]] = []
 
-    def __call__(
-        self, token_ids: list[int], position: int, block_ids: list[int], num_logits: int = 1
-    ) -> torch.Tensor:
-        logits = self.step(token_ids, position, block_ids, num_logits)
-        self.calls.append((position, logits.clone()))
+    def __call__(self, spans: list[StepSpan]) -> torch.Tensor:
+        logits = self.step(spans)
+        self.calls.append((spans[0].position, logits.clone()))
         return logits
 
 
@@ -77,7 +75,9 @@ def native_against_forward(llm, token_ids: list[int], position: int, num_tokens:
     new = slots[position:]
     kv_reference = kv[:, :, new].clone()
     kv[:, :, new] = 0.0
-    native = runner.native_decode(token_ids[position:total], position, block_ids, num_tokens)
+    native = runner.native_decode(
+        [StepSpan(token_ids[position:total], position, block_ids, num_tokens)]
+    )
     assert native.shape == reference.shape
     worst = max(float((n - r).norm() / r.norm()) for n, r in zip(native, reference, strict=True))
     kv_error = float((kv[:, :, new] - kv_reference).norm() / kv_reference.norm())
@@ -96,9 +96,9 @@ def check_step_against_forward(llm, prompts, max_tokens: int) -> tuple[Counter, 
 
     def execute_and_compare(scheduled):
         nonlocal worst
-        span = runner._native_span(scheduled)
-        if span is not None and span.num_logits:
-            native = step(span.token_ids, span.position, scheduled.block_ids[0], span.num_logits)
+        spans = runner._native_spans(scheduled)
+        if spans is not None and any(span.num_logits for span in spans):
+            native = step(spans)
             reference = forward_logits(runner, scheduled)
             worst = max(worst, float((native - reference).norm() / reference.norm()))
         return execute(scheduled)
@@ -128,12 +128,66 @@ def test_a_single_stream_decodes_natively_with_the_forwards_answers(make_llm):
     runner.native_decode = None
     forward = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
     assert native == forward
-    # A batch of several requests runs the PyTorch forward (no native call).
+    # A batch of several requests: one native call per step for all of them.
     runner.native_decode = counting
     counting.calls.clear()
+    runner.native_steps.clear()
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert batched == forward
-    assert not counting.calls
+    assert runner.native_steps == Counter({"batched-prefill": 1, "batched-decode": 39})
+    assert [len(logits) for _, logits in counting.calls] == [3] * 40
+
+
+@pytest.mark.milestone("m22")
+def test_a_batched_native_step_equals_the_forward_for_mixed_sequences(make_llm):
+    """One native call for several sequences at once: decode tokens at different context
+    lengths (across block ends), a verify span (a token and 3 drafts: logits at each) and a
+    prefill chunk that gives none, each through its own scattered block table: the logits and
+    the K/V written equal the PyTorch forward's, sequence by sequence."""
+    llm = make_llm(quantization="gguf", block_size=16, num_kv_blocks=64)
+    runner = llm.engine.model_runner
+    bs = runner.block_size
+    token_ids = llm.tokenizer.encode(PROMPTS[1])
+    # (context before the step, tokens in the step, logits asked for)
+    shapes = [(15, 1, 1), (31, 1, 1), (3, 4, 4), (0, 7, 0), (20, 1, 1)]
+    tables, references, kv_references = [], [], []
+    kv = runner.kv_cache.flatten(2, 3)  # [2, layers, slots, kv_heads, head_dim]
+    next_block = 0
+    for seq, (position, count, num_logits) in enumerate(shapes):
+        total = position + count
+        table = [(next_block + 5 * i + seq) % 64 for i in range(-(-total // bs))]
+        next_block += 13
+        tables.append(table)
+        tokens = token_ids[seq : seq + total]
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)])
+        set_context(AttentionContext(slot_mapping=slots, prefills=[PrefillSpan(0, total, total)]))
+        rows = torch.arange(total - num_logits, total)
+        references.append(runner.run_model(torch.tensor(tokens), torch.arange(total), rows))
+        kv_references.append(kv[:, :, slots[position:]].clone())
+    assert len({b for table in tables for b in table}) == sum(map(len, tables))  # no overlap
+    spans = []
+    for seq, (position, count, num_logits) in enumerate(shapes):
+        table = tables[seq]
+        slots = torch.tensor(
+            [table[p // bs] * bs + p % bs for p in range(position, position + count)]
+        )
+        kv[:, :, slots] = 0.0
+        tokens = token_ids[seq + position : seq + position + count]
+        spans.append(StepSpan(tokens, position, table, num_logits))
+    native = runner.native_decode(spans)
+    assert native.shape[0] == sum(num_logits for _, _, num_logits in shapes)
+    first = 0
+    for seq, (position, count, num_logits) in enumerate(shapes):
+        for row in range(num_logits):
+            n, r = native[first + row], references[seq][row]
+            assert float((n - r).norm() / r.norm()) < 1e-3, (seq, row)
+        first += num_logits
+        table = tables[seq]
+        slots = torch.tensor(
+            [table[p // bs] * bs + p % bs for p in range(position, position + count)]
+        )
+        written, reference = kv[:, :, slots], kv_references[seq]
+        assert float((written - reference).norm() / reference.norm()) < 1e-3, seq
 
 
 def test_native_step_logits_equal_the_forwards_at_every_position(make_llm):

@@ -209,18 +209,22 @@ def native_model(**fields):
         "not the model structure",
         "tokens int32",
         "no tokens",
-        "first_logits past the tokens",
+        "a position short",
+        "logit row past the tokens",
+        "sequence index past the tables",
         "negative position",
         "past max_context",
         "table short of the last token",
         "table on meta",
+        "table 1-dimensional",
         "out float64",
         "out too small",
     ],
 )
 def test_decode_step_refuses_bad_inputs_before_native_code(change, no_native_code):
-    model, tokens, position = native_model(), torch.tensor([1, 2, 3]), 14
-    table, first_logits, out = torch.tensor([0, 1]), 2, torch.empty(1, 8)
+    model, tokens, positions = native_model(), torch.tensor([1, 2, 3]), torch.tensor([15, 16, 3])
+    seqs, table = torch.tensor([0, 0, 1]), torch.tensor([[0, 1], [2, 3]])
+    rows, out = torch.tensor([1, 2]), torch.empty(2, 8)
     match change:
         case "not the model structure":
             model = ctypes.c_int64(0)
@@ -228,22 +232,28 @@ def test_decode_step_refuses_bad_inputs_before_native_code(change, no_native_cod
             tokens = tokens.int()
         case "no tokens":
             tokens = tokens[:0]
-        case "first_logits past the tokens":
-            first_logits = 4
+        case "a position short":
+            positions = positions[:2]
+        case "logit row past the tokens":
+            rows = torch.tensor([1, 3])
+        case "sequence index past the tables":
+            seqs = torch.tensor([0, 0, 2])
         case "negative position":
-            position = -1
+            positions = torch.tensor([15, 16, -1])
         case "past max_context":
-            position = 30
+            positions = torch.tensor([30, 31, 32])
         case "table short of the last token":
-            table = table[:1]
+            table = table[:, :1]
         case "table on meta":
             table = table.to(META)
+        case "table 1-dimensional":
+            table = table[0]
         case "out float64":
             out = out.double()
         case "out too small":
             out = torch.empty(1, 7)
     with pytest.raises(ValueError, match="native decode step"):
-        ops.decode_step(model, tokens, position, table, first_logits, out)
+        ops.decode_step(model, tokens, positions, seqs, table, rows, out)
 
 
 def reference_attention(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:

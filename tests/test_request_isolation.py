@@ -185,6 +185,7 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     import ctypes
     from types import SimpleNamespace
 
+    from nanollmserve.engine.native_decode import StepSpan
     from nanollmserve.native.build import kernels_unavailable_reason, load_kernels
 
     if kernels_unavailable_reason():
@@ -204,18 +205,26 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
         ([], 0, [0], "at least one token"),
     ]:
         with pytest.raises(ValueError, match=what):
-            step(tokens, position, blocks)
+            step([StepSpan(tokens, position, blocks, 1)])
     with pytest.raises(ValueError, match="num_logits"):
-        step([1, 2], 0, [0], num_logits=3)
+        step([StepSpan([1, 2], 0, [0], 3)])
+    with pytest.raises(ValueError, match="vocabulary"):  # the second sequence's token
+        step([StepSpan([1], 0, [0], 1), StepSpan([vocab], 0, [1], 1)])
 
-    def raw_step(tokens: list[int], position: int, blocks: list[int], scratch: int = 0) -> int:
-        table = torch.tensor(blocks, dtype=torch.int64)
+    def raw_step(
+        tokens: list[int], position: int, blocks: list[int], scratch: int = 0, seq: int = 0
+    ) -> int:
+        table = torch.tensor([blocks], dtype=torch.int64)
         ids = torch.tensor(tokens, dtype=torch.int64)
+        positions = torch.arange(position, position + len(tokens))
+        seqs = torch.full((len(tokens),), seq, dtype=torch.int64)
+        rows = torch.arange(len(tokens))
         out = torch.empty(len(tokens), vocab)
         size = scratch or library.nls_decode_scratch_bytes(model, len(tokens), 1)
         buffer = torch.empty(size, dtype=torch.uint8)
         return library.nls_decode_step(
-            model, ids.data_ptr(), len(tokens), position, table.data_ptr(), 0,
+            model, ids.data_ptr(), positions.data_ptr(), seqs.data_ptr(), len(tokens),
+            table.data_ptr(), 1, len(blocks), rows.data_ptr(), len(tokens),
             buffer.data_ptr(), size, out.data_ptr(), 1,
         )  # fmt: skip
 
@@ -223,9 +232,11 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     assert raw_step([1, 2, vocab], 0, [0]) == -3
     assert raw_step([1], step.max_context, [0]) == -2  # NLS_BAD_POSITION
     assert raw_step([1, 2], step.max_context - 1, [0] * 10**4) == -2
+    assert raw_step([1, 2], 15, [0]) == -2  # the second token's position is past the table
     assert raw_step([1], 0, [step.num_blocks]) == -4  # NLS_BAD_BLOCK
     assert raw_step([1, 2], 15, [0, step.num_blocks]) == -4  # the second token's block
     assert raw_step([1, 2], 0, [0], scratch=64) == -5  # NLS_BAD_SHAPE: scratch too small
+    assert raw_step([1, 2], 0, [0], seq=1) == -5  # a sequence without a block table
     assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].text
 
     attention = llm.engine.model_runner.attention_layers[0]

@@ -46,6 +46,16 @@ class EngineConfig:
     what is left after the weights. CUDA only (on CPU, --kv-cache-memory sizes the cache)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
+    kv_offload_dir: str | None = None
+    """A directory where full prefix blocks are also written (as they are computed) and read
+    back when a later request's prefix misses the KV pool, also after a restart (default:
+    off; not with tensor parallelism)."""
+    kv_offload_max_bytes: int = 4 << 30
+    """Most bytes of blocks --kv-offload-dir keeps, a size such as 8GiB (default: 4GiB); the
+    least recently used go first."""
+    enable_sleep_mode: bool = False
+    """Serve POST /sleep?level=1|2 (free the KV cache; 2: the weights too), POST /wake_up and
+    GET /is_sleeping, vLLM's sleep-mode routes (not with tensor parallelism)."""
     seed: int = 0
     """Seed of the sampler for requests that do not set their own."""
     tokenizer: str | None = None
@@ -76,6 +86,9 @@ class EngineConfig:
     pooler_config: str | dict | PoolerConfig | None = None
     """How --runner pooling pools, as JSON, vLLM's keys: {"pooling_type": "LAST" | "MEAN" |
     "CLS", "normalize": true} (default: LAST, normalized)."""
+    step_record: int = 4096
+    """Keep a record of the last N engine steps (the flight recorder: /debug/steps,
+    `nanollmserve trace export`, `nanollmserve replay`); 0: off."""
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -98,12 +111,18 @@ class EngineConfig:
                 raise UserError(
                     f"quantization must be {names} (or unset), got {self.quantization!r}"
                 )
+        if not 0 <= self.step_record <= MAX_STEP_RECORD:
+            raise UserError(
+                f"step_record must be in [0, {MAX_STEP_RECORD}], got {self.step_record}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise UserError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
         if self.tensor_parallel_size < 1:
             raise UserError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise UserError("enable_sleep_mode is not supported with tensor parallelism")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -127,6 +146,24 @@ class EngineConfig:
             raise UserError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        """What --kv-offload-dir needs: the prefix cache it extends, one rank."""
+        if self.kv_offload_max_bytes < 1:
+            raise UserError(f"kv_offload_max_bytes must be >= 1, got {self.kv_offload_max_bytes}")
+        if self.kv_offload_dir is None:
+            return
+        if not self.enable_prefix_caching or self.runner == "pooling":
+            raise UserError(
+                "kv_offload_dir extends the prefix cache: it needs prefix caching on "
+                "(not --no-enable-prefix-caching, not --runner pooling)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise UserError(
+                "kv_offload_dir is not supported with tensor parallelism (each rank holds "
+                "a shard of the KV heads)"
+            )
 
     def _resolve_runner(self) -> None:
         """`task` folded into `runner`; the pooler config parsed; what pooling cannot do."""
@@ -148,12 +185,14 @@ class EngineConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+MAX_STEP_RECORD = 1 << 20
+"""The most steps `step_record` may keep."""
 
 RUNNERS = ("generate", "pooling")
 TASK_RUNNERS = {"embed": "pooling", "generate": "generate"}
 
 # Fields given in bytes: their flags take sizes with a suffix (`--kv-cache-memory 2GiB`).
-BYTE_SIZE_FIELDS = ("kv_cache_memory",)
+BYTE_SIZE_FIELDS = ("kv_cache_memory", "kv_offload_max_bytes")
 
 
 def _flag(name: str) -> str:

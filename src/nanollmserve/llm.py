@@ -46,6 +46,16 @@ class LLM:
         rank); the LLM cannot generate after it. `with LLM(...) as llm:` calls it on exit."""
         self.engine.shutdown()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the KV cache and the weights (level 2) until
+        `wake_up` (vLLM's `LLM.sleep`; docs/features/sleep-mode.md). Cached prefixes are
+        forgotten; generating while asleep raises ValueError."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Reload what `sleep` freed (the weights from the model source at level 2)."""
+        self.engine.wake_up()
+
     def __enter__(self) -> LLM:
         return self
 

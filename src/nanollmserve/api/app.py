@@ -3,9 +3,10 @@
 It wires the routes (`routes.py`) to a ServerContext, registers the Prometheus metrics
 (`app.state.metrics`, an engine observer served at /metrics), installs the OpenAI-shaped
 error handlers (Anthropic's shape on the Messages routes), the body-size cap, (with an API
-key) authentication, the `X-Request-Id` echo, (with allowed origins) CORS and (with
-`log_requests`) the request log, and documents 400 instead of FastAPI's 422 in
-/openapi.json, because validation errors answer 400 here.
+key) authentication, the `X-Request-Id` echo, (with allowed origins) CORS, (with
+`log_requests`) the request log and (with a tracer) a trace span per generation request,
+and documents 400 instead of FastAPI's 422 in /openapi.json, because validation errors
+answer 400 here.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from nanollmserve import __version__
 from nanollmserve.anthropic_errors import AnthropicErrorShape
 from nanollmserve.api.auth import OPEN_PATHS, APIKeyMiddleware
 from nanollmserve.api.body_limit import BodySizeLimitMiddleware
+from nanollmserve.api.debug import router as debug_router
 from nanollmserve.api.errors import install_error_handlers
 from nanollmserve.api.playground import router as playground_router
 from nanollmserve.api.request_id import RequestIdEchoMiddleware
 from nanollmserve.api.request_log import RequestLogger
 from nanollmserve.api.routes import router
 from nanollmserve.api.serving import ServerContext, ServerSettings
+from nanollmserve.api.sleep_routes import router as sleep_router
 from nanollmserve.frontend.async_engine import AsyncEngine
 from nanollmserve.metrics import ServerMetrics
 
@@ -46,7 +49,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         engine.add_observer(RequestLogger(settings.log_prompts))
     app.include_router(router)
     app.include_router(playground_router)
+    app.include_router(sleep_router)  # 404 unless --enable-sleep-mode
+    if settings.enable_debug_endpoints:
+        app.include_router(debug_router)
     install_error_handlers(app)
+    if settings.tracer is not None:  # innermost: only requests auth and the cap let through
+        from nanollmserve.tracing.asgi import TracingMiddleware
+
+        settings.tracer.observe(engine)
+        app.add_middleware(TracingMiddleware, tracer=settings.tracer)
     # Outermost last: auth runs before the body is read, then the size cap.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:

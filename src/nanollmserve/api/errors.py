@@ -26,6 +26,7 @@ from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
+    EngineSleepingError,
     EngineStepError,
 )
 
@@ -98,6 +99,9 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineOverloadedError):
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
         return APIError(503, str(exc), code="overloaded", headers=headers)
+    if isinstance(exc, EngineSleepingError):  # sleep mode: docs/features/sleep-mode.md
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return APIError(503, str(exc), code="engine_sleeping", headers=headers)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, ParamError):
@@ -159,6 +163,7 @@ def install_error_handlers(app: FastAPI) -> None:
     # (the catch-all below answers too, but Starlette then re-raises what it caught).
     @app.exception_handler(EngineOverloadedError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineSleepingError)
     @app.exception_handler(EngineStepError)
     async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
         err = error_from_exception(exc)

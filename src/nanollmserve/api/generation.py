@@ -27,6 +27,7 @@ from nanollmserve.frontend.async_engine import (
 )
 from nanollmserve.outputs import CompletionOutput, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.tracing.context import record_admission
 
 MAX_BATCH_PROMPTS = 256
 """Most prompts one request may carry (completions' prompt list, /batch_generate, gRPC)."""
@@ -40,14 +41,20 @@ async def admit(
     output_kind: OutputKind,
     lora_name: str | None = None,
     pooling: bool = False,
+    model: str | None = None,
 ) -> list[RequestStream]:
     """One engine request per prompt (ids `request_id`, or `request_id-i` for several), all
     or none: an error admitting one aborts the others and is raised. `lora_name`: the LoRA
-    adapter they run with (None: the base model). `pooling`: embedding requests."""
+    adapter they run with (None: the base model). `pooling`: embedding requests. `model`:
+    the name the request asked for, for its trace span (with tracing on)."""
+    request_ids = (
+        [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    )
+    # Before adding: a request may end before its add returns (an embedding takes one step).
+    record_admission(request_ids, params, model or lora_name or engine.model_name, request_id)
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        for rid, prompt in zip(request_ids, prompts, strict=True):
             streams.append(
                 await engine.add_request(
                     prompt, params, rid, output_kind, lora_name=lora_name, pooling=pooling

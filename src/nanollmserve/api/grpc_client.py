@@ -38,15 +38,19 @@ def make_request(
     *,
     messages: Sequence[dict] | None = None,
     request_id: str = "",
+    return_token_ids: bool = False,
     **sampling,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from a prompt or chat messages ({"role", "content"} dicts)."""
+    """A GenerateRequest from a prompt or chat messages ({"role", "content"} dicts);
+    `return_token_ids`: the reply carries the prompt's and the output's token ids. The
+    other keywords are SamplingParams fields (`prompt_logprobs=2`, `priority=-1`, ...)."""
     chat = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
     return pb.GenerateRequest(
         prompt=prompt or "",
         messages=chat,
         sampling=make_sampling_params(**sampling),
         request_id=request_id,
+        return_token_ids=return_token_ids,
     )
 
 

@@ -7,19 +7,24 @@ serves on, because the engine hands outputs to asyncio queues bound to the loop 
 created them. Like the HTTP routes, the servicer only converts: proto messages in,
 `SamplingParams`, then the engine's request policy (the limits and generation defaults HTTP
 requests are held to: the same refusals, INVALID_ARGUMENT here), then the admission and
-collection layer the HTTP routes use too (`generation.py`), proto messages out. The engine
+collection layer the HTTP routes use too (`generation.py`), proto messages out. With the
+server's `--reasoning-parser`, a chat (`messages`) is split as on HTTP chat: the thinking in
+`reasoning_content`, the answer in `text`, and a grammar applies after the thinking
+(`reasoning_parsers/plan.py`). Token-level output as on HTTP: `return_token_ids` and
+`sampling.prompt_logprobs`. The engine
 key of a call is always the server's (`grpc-...`): a client's `request_id` is echoed in the
 replies and logged quoted, never used as a key (it could collide with another request).
 
 Errors map to status codes: a bad parameter (ParamError) -> INVALID_ARGUMENT (its message),
-a full queue -> RESOURCE_EXHAUSTED, a dead or stopping engine -> UNAVAILABLE, a failed engine
-step -> INTERNAL, a wrong key -> UNAUTHENTICATED. A cancelled call (client gone, stream
-cancelled, deadline) cancels the handler, which aborts the request, so its KV blocks return
-at once.
+a full queue -> RESOURCE_EXHAUSTED, a dead, stopping or sleeping engine -> UNAVAILABLE, a
+failed engine step -> INTERNAL, a wrong key -> UNAUTHENTICATED. A cancelled call (client
+gone, stream cancelled, deadline) cancels the handler, which aborts the request, so its KV
+blocks return at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import inspect
@@ -28,6 +33,7 @@ import time
 
 import grpc
 
+from nanollmserve.api.errors import APIError
 from nanollmserve.api.generation import (
     MAX_BATCH_PROMPTS,
     StreamTotals,
@@ -38,12 +44,15 @@ from nanollmserve.api.generation import (
 )
 from nanollmserve.api.grpc_gen import nanollmserve_pb2 as pb
 from nanollmserve.api.grpc_gen import nanollmserve_pb2_grpc as pb_grpc
+from nanollmserve.api.reasoning_parsers import REASONING_PARSERS
+from nanollmserve.api.reasoning_parsers.plan import ReasoningPlan, plan_reasoning
 from nanollmserve.api.request_log import log_client_request_id
 from nanollmserve.errors import ParamError, UserError
 from nanollmserve.frontend.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineSleepingError,
     EngineStepError,
     OutputKind,
     RequestStream,
@@ -51,6 +60,8 @@ from nanollmserve.frontend.async_engine import (
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.structured_outputs import StructuredOutputsParams
+from nanollmserve.tracing import genai
+from nanollmserve.tracing.context import current_request_span, server_span
 
 __all__ = ["GenerationServicer", "bind_grpc_server", "serve_grpc", "start_grpc_server"]
 
@@ -67,6 +78,7 @@ OPTIONAL_SAMPLING_FIELDS = (
     "min_tokens",
     "cache_salt",
     "priority",
+    "prompt_logprobs",
 )
 
 
@@ -79,44 +91,52 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, ParamError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, APIError) and exc.status_code == 400:  # a refusal shared with HTTP
+        return grpc.StatusCode.INVALID_ARGUMENT, exc.message
     if isinstance(exc, EngineStepError):
         return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, EngineOverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError | EngineSleepingError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     return None
 
 
 def _rpc(method):
-    """Check the API key, then run the method; our errors become status codes."""
+    """Check the API key, then run the method (in a trace span with tracing on); our errors
+    become status codes."""
 
     async def fail(context, exc: Exception) -> None:
         status = _status(exc)
         if status is None:
             raise exc
+        span = current_request_span()
+        if span is not None:
+            span.set_attributes({"rpc.grpc.status_code": status[0].value[0]})
         await context.abort(*status)
 
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
-            try:
-                self.check_auth(context)
-                async for message in method(self, request, context):
-                    yield message
-            except Exception as exc:
-                await fail(context, exc)
+            with self.traced(method.__name__, request, context):
+                try:
+                    self.check_auth(context)
+                    async for message in method(self, request, context):
+                        yield message
+                except Exception as exc:
+                    await fail(context, exc)
 
         return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
-        try:
-            self.check_auth(context)
-            return await method(self, request, context)
-        except Exception as exc:
-            await fail(context, exc)
+        with self.traced(method.__name__, request, context):
+            try:
+                self.check_auth(context)
+                return await method(self, request, context)
+            except Exception as exc:
+                await fail(context, exc)
 
     return unary_wrapper
 
@@ -156,12 +176,42 @@ def _ms(seconds: float | None) -> float:
     return round(seconds * 1000, 3) if seconds is not None else 0.0
 
 
-def _response(output: RequestOutput, request_id: str | None = None) -> pb.GenerateResponse:
-    """The reply to one prompt; `request_id`: the id to echo (default: the server's)."""
+def _prompt_logprobs(output: RequestOutput) -> list[pb.PromptTokenLogprobs]:
+    """vLLM's prompt_logprobs as messages: none for the first position, then the prompt's
+    token and the top-k per position (empty without `sampling.prompt_logprobs`)."""
+    return [
+        pb.PromptTokenLogprobs(
+            logprobs=[
+                pb.TokenLogprob(
+                    token_id=token_id,
+                    logprob=entry.logprob,
+                    rank=entry.rank,
+                    decoded_token=entry.decoded_token or "",
+                )
+                for token_id, entry in (position or {}).items()
+            ]
+        )
+        for position in output.prompt_logprobs or ()
+    ]
+
+
+def _response(
+    output: RequestOutput,
+    request_id: str | None = None,
+    reasoning: ReasoningPlan | None = None,
+    return_token_ids: bool = False,
+) -> pb.GenerateResponse:
+    """The reply to one prompt; `request_id`: the id to echo (default: the server's);
+    `reasoning`: the plan that splits a chat's thinking from its answer."""
     choice, metrics = output.outputs[0], output.metrics
+    thinking, text = reasoning.parser().parse(choice.text) if reasoning else (None, choice.text)
     return pb.GenerateResponse(
         request_id=request_id or output.request_id,
-        text=choice.text,
+        text=text,
+        reasoning_content=thinking or "",
+        prompt_token_ids=output.prompt_token_ids if return_token_ids else (),
+        token_ids=choice.token_ids if return_token_ids else (),
+        prompt_logprobs=_prompt_logprobs(output),
         finish_reason=finish_reason(choice),
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=len(choice.token_ids),
@@ -178,11 +228,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         model_name: str,
         api_key: str | None = None,
         log_requests: bool = False,
+        reasoning_parser: str | None = None,
+        tracer=None,
     ):
         self.engine = engine
+        self.tracer = tracer
+        """`--otlp-traces-endpoint`'s Tracer: a span per call (None: off)."""
+        if tracer is not None:
+            tracer.observe(engine)
+        self.reasoning_parser = REASONING_PARSERS.get(reasoning_parser)
         self.model_name = model_name
         self.expected_key = f"Bearer {api_key}".encode() if api_key else None
         self.log_requests = log_requests
+
+    def traced(self, method_name: str, request, context: grpc.aio.ServicerContext):
+        """The call's span (a no-op without a tracer): `text_completion` or, for messages,
+        `chat`, renamed `{operation} {model}` at admission."""
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        operation = "chat" if getattr(request, "messages", None) else "text_completion"
+        attributes = {
+            genai.OPERATION: operation,
+            genai.PROVIDER: genai.PROVIDER_NAME,
+            "rpc.system": "grpc",
+            "rpc.method": method_name,
+        }
+        metadata = {key: value for key, value in context.invocation_metadata() or ()}
+        return server_span(self.tracer, operation, metadata, attributes)
 
     def check_auth(self, context: grpc.aio.ServicerContext) -> None:
         if self.expected_key is None:
@@ -198,7 +270,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             sampling_params(message), unset_sampling_fields(message)
         )
 
-    async def _add(self, request: pb.GenerateRequest, kind: OutputKind) -> RequestStream:
+    async def _add(
+        self, request: pb.GenerateRequest, kind: OutputKind
+    ) -> tuple[RequestStream, ReasoningPlan | None]:
+        """The admitted request, and the reasoning plan of a chat (None: no splitting)."""
         if bool(request.prompt) == bool(request.messages):
             raise ParamError("give exactly one of prompt and messages", "prompt")
         limits = self.engine.request_policy.limits
@@ -208,41 +283,66 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             limits.check_messages(len(request.messages))
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             prompt = await self.engine.chat_token_ids(messages)
+            reasoning, params = await plan_reasoning(
+                self.engine, self.reasoning_parser, prompt, params, param="structured_outputs"
+            )
         else:
-            prompt = request.prompt
+            prompt, reasoning = request.prompt, None
         request_id = f"grpc-{secrets.token_hex(12)}"
-        [stream] = await admit(self.engine, [prompt], params, request_id, kind)
+        [stream] = await admit(
+            self.engine, [prompt], params, request_id, kind, model=self.model_name
+        )
         if request.request_id and self.log_requests:
             log_client_request_id(request_id, request.request_id)
-        return stream
+        return stream, reasoning
 
     @_rpc
     async def Generate(self, request, context):
-        stream = await self._add(request, OutputKind.FINAL_ONLY)
+        stream, reasoning = await self._add(request, OutputKind.FINAL_ONLY)
         [output] = await collect_final([stream])
-        return _response(output, request.request_id)
+        return _response(output, request.request_id, reasoning, request.return_token_ids)
 
     @_rpc
     async def GenerateStream(self, request, context):
-        stream = await self._add(request, OutputKind.DELTA)
+        stream, reasoning = await self._add(request, OutputKind.DELTA)
         try:
-            async for message in self._stream_messages(stream, request.request_id):
+            async for message in self._stream_messages(stream, request, reasoning):
                 yield message
         finally:  # a cancelled call aborts the request at once
             stream.abort()
 
     @staticmethod
-    async def _stream_messages(stream: RequestStream, client_request_id: str):
+    async def _stream_messages(
+        stream: RequestStream, request: pb.GenerateRequest, reasoning: ReasoningPlan | None
+    ):
         totals = StreamTotals()
+        thinking = reasoning.parser() if reasoning else None
+        first = True
         async for step in choice_deltas([stream], totals):
             choice, metrics = step.choice, step.output.metrics
             reason = step.finish_reason or ""
             if not (choice.text or choice.token_ids or reason):
                 continue
+            text, reasoning_text = choice.text, ""
+            if thinking is not None:
+                split = thinking.feed(text)
+                if reason:
+                    last = thinking.finish()
+                    split.reasoning += last.reasoning
+                    split.content += last.content
+                reasoning_text, text = split.reasoning, split.content
+            head = {}
+            if first:
+                head["prompt_logprobs"] = _prompt_logprobs(step.output)
+                if request.return_token_ids:
+                    head["prompt_token_ids"] = step.output.prompt_token_ids
+                first = False
             yield pb.GenerateStreamResponse(
-                request_id=client_request_id or step.output.request_id,
-                text=choice.text,
+                request_id=request.request_id or step.output.request_id,
+                text=text,
+                reasoning_content=reasoning_text,
                 token_ids=choice.token_ids,
+                **head,
                 finish_reason=reason,
                 prompt_tokens=totals.prompt_tokens[0],
                 completion_tokens=totals.completion_tokens,
@@ -263,7 +363,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise ParamError(f"prompts[{i}] must not be empty", "prompts")
         params = self._params(request.sampling)
         batch_id = f"grpc-batch-{secrets.token_hex(12)}"
-        streams = await admit(self.engine, prompts, params, batch_id, OutputKind.FINAL_ONLY)
+        streams = await admit(
+            self.engine, prompts, params, batch_id, OutputKind.FINAL_ONLY, model=self.model_name
+        )
         outputs = await collect_final(streams)
         return pb.BatchGenerateResponse(
             results=[_response(o) for o in outputs],
@@ -307,11 +409,17 @@ async def serve_grpc(
     model_name: str | None = None,
     api_key: str | None = None,
     log_requests: bool = False,
+    reasoning_parser: str | None = None,
+    tracer=None,
 ) -> None:
     """Add the Generation service on `engine` to a bound server and start it (on the running
     event loop). Stop it with `await server.stop(grace_seconds)`. `log_requests`: log the
-    client's `request_id` of a call next to the server's."""
-    servicer = GenerationServicer(engine, model_name or engine.model_name, api_key, log_requests)
+    client's `request_id` of a call next to the server's; `reasoning_parser`: the server's
+    `--reasoning-parser` (chats get `reasoning_content`); `tracer`: a span per call
+    (`--otlp-traces-endpoint`), the child of the call's `traceparent` metadata."""
+    servicer = GenerationServicer(
+        engine, model_name or engine.model_name, api_key, log_requests, reasoning_parser, tracer
+    )
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     await server.start()
 
@@ -323,8 +431,9 @@ async def start_grpc_server(
     *,
     model_name: str | None = None,
     api_key: str | None = None,
+    tracer=None,
 ) -> tuple[grpc.aio.Server, int]:
     """bind_grpc_server + serve_grpc in one call; returns (server, bound port)."""
     server, bound = bind_grpc_server(host, port)
-    await serve_grpc(server, engine, model_name=model_name, api_key=api_key)
+    await serve_grpc(server, engine, model_name=model_name, api_key=api_key, tracer=tracer)
     return server, bound

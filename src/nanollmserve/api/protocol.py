@@ -145,7 +145,8 @@ CACHE_SALT_DESCRIPTION = (
 
 
 def priority_field():
-    """The `priority` field of the completions, chat and responses requests (vLLM's)."""
+    """The `priority` field of the completions, chat, responses and embeddings requests
+    (vLLM's; `/v1/messages` passes its own on to chat)."""
     return Field(
         default=None,
         strict=True,

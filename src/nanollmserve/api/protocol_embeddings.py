@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictStr
 
-from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel
+from nanollmserve.api.protocol import MAX_INT32, OpenAIBaseModel, RequestModel, priority_field
 
 MAX_EMBEDDING_INPUTS = 256
 """Most inputs one request may carry (each is one engine request), as completions' prompts."""
@@ -37,6 +37,8 @@ class EmbeddingRequest(RequestModel):
     encoding_format: Literal["float", "base64"] = "float"
     """base64: the float32 little-endian bytes of each vector, base64-encoded."""
     user: str | None = None
+    priority: int | None = priority_field()
+    """vLLM's: every input of the request is scheduled at this priority."""
 
     def inputs(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per embedding, in order."""

@@ -5,7 +5,8 @@ A request is `system` (a string or text blocks), `messages` (a string or content
 `text`; an assistant's `tool_use`; a user's `tool_result`), `max_tokens` (required),
 `stop_sequences`, `temperature` / `top_p` / `top_k`, `metadata.user_id`, `tools`
 (`{name, description, input_schema}`) and `tool_choice` (`auto`, `any`, `tool`, `none`),
-plus chat's `seed`, `min_p`, `repetition_penalty`, `min_tokens` and `ignore_eos`.
+plus chat's `seed`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos` and
+`priority` (vLLM's, under `--scheduling-policy priority`).
 `to_chat_request` turns it into a ChatCompletionRequest: `system` becomes a system message,
 `tool_use` blocks an assistant's `tool_calls`, `tool_result` blocks `tool` messages, `any`
 becomes "required" and `tool` a named function; the chat path (template, tools, grammar,
@@ -178,7 +179,7 @@ class CountTokensRequest(MessagesBase):
     pass
 
 
-_CHAT_EXTENSIONS = {"seed", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"}
+_CHAT_EXTENSIONS = {"seed", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority"}
 
 
 class MessagesRequest(MessagesBase):
@@ -199,6 +200,7 @@ class MessagesRequest(MessagesBase):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    priority: int | None = None
 
     def to_chat_request(self) -> ChatCompletionRequest:
         """The same request as chat; fields left out stay unset there, so the server's

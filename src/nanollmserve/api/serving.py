@@ -70,6 +70,11 @@ class ServerSettings:
     allow_credentials: bool = False
     allow_runtime_lora_updating: bool = False
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter work (404 otherwise)."""
+    tracer: object | None = None
+    """`--otlp-traces-endpoint`: the `nanollmserve.tracing.spans.Tracer` that gives each
+    generation request a span (HTTP and gRPC); None: tracing off."""
+    enable_debug_endpoints: bool = False
+    """GET /debug/steps (the engine's flight record) is served (404 otherwise)."""
 
 
 class ServerContext:
@@ -140,7 +145,14 @@ class ServerContext:
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         lora_name = None if model in self.model_names else model
         streams = await admit(
-            self.engine, prompts, params, request_id, kind, lora_name, pooling=pooling
+            self.engine,
+            prompts,
+            params,
+            request_id,
+            kind,
+            lora_name,
+            pooling=pooling,
+            model=model or self.model_name,
         )
         if client_request_id is not None and self.settings.log_requests:
             log_client_request_id(request_id, client_request_id)

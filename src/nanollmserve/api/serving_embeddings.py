@@ -61,7 +61,7 @@ async def create_embedding(
     try:
         streams = await ctx.add_requests(
             inputs,
-            SamplingParams(max_tokens=None),
+            SamplingParams(max_tokens=None, priority=body.priority or 0),
             request_id,
             model=model,
             client_request_id=client_request_id(request.headers),

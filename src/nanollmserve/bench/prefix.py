@@ -4,6 +4,9 @@ Requests share a `--prefix-len` (512) token system prompt and each add a `--suff
 question; they run one at a time, so TTFT is prefill time alone (no queueing):
 - cold: each request gets a prefix never seen before (every prompt token is computed);
 - warm: after one priming request, each request reuses the shared prefix's cached blocks.
+With `--restart` (offline, with `--kv-offload-dir`), each warm request runs in an engine
+started after the priming one (its pool empty), so its prefix comes from the offload
+directory: TTFT with a prefix cache that outlived the process.
 Reported: TTFT mean / p50 / p95 each way, warm/cold p50 ratio (target <= 0.2), the hit rate
 over the warm requests (cached prompt tokens / prompt tokens) and the cached tokens each.
 
@@ -46,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--server-args", default="", help="extra `nanollmserve serve` flags (with --serve)"
     )
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="offline, with --kv-offload-dir: run each warm request in a freshly started "
+        "engine, its prefix read from the offload directory",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     add_common_args(parser)
     parser.set_defaults(func=run)
@@ -92,10 +101,23 @@ def run_offline(args, config) -> dict:
     one_by_one([prime])
     before = engine.stats()
     log(f"warm: {len(warm)} requests")
-    warm_t = one_by_one(warm)
-    after = engine.stats()
-    queries = after.prefix_cache_queries - before.prefix_cache_queries
-    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    if args.restart:  # each in a new engine: the prefix comes from --kv-offload-dir
+        warm_t, queries, hits = [], 0, 0
+        for request in warm:
+            engine.shutdown()
+            del engine
+            engine = EngineCore(config)
+            run_engine(engine, [BenchRequest(cold[0].prompt_token_ids[::-1], 2)])
+            before = engine.stats()
+            warm_t += one_by_one([request])
+            queries += engine.stats().prefix_cache_queries - before.prefix_cache_queries
+            hits += engine.stats().prefix_cache_hits - before.prefix_cache_hits
+        engine.shutdown()
+    else:
+        warm_t = one_by_one(warm)
+        after = engine.stats()
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        hits = after.prefix_cache_hits - before.prefix_cache_hits
     return {
         "mode": "offline engine",
         "compare_with": "itself only (engine time, no HTTP); servers: --serve / --base-url",
@@ -103,6 +125,8 @@ def run_offline(args, config) -> dict:
         "dtype": dtype_name(engine.dtype),
         "block_size": config.block_size,
         "enable_prefix_caching": config.enable_prefix_caching,
+        "kv_offload_dir": config.kv_offload_dir,
+        "restart": args.restart,
         "cold_ttft_s": [t.ttft for t in cold_t],
         "warm_ttft_s": [t.ttft for t in warm_t],
         "warm_cached_tokens": [t.num_cached_tokens for t in warm_t],
@@ -168,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
         from nanollmserve.errors import UserError
 
         raise UserError("--server-args needs --serve")
+    if args.restart and (args.base_url or args.serve or config.kv_offload_dir is None):
+        from nanollmserve.errors import UserError
+
+        raise UserError("--restart runs offline and needs --kv-offload-dir")
     if args.base_url or args.serve:
         from nanollmserve.bench.serve_workloads import WordTokens
         from nanollmserve.frontend.tokenizer import load_tokenizer

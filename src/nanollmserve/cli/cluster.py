@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     serve_args += ["--log-level", args.log_level, "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.metrics_require_auth:  # a router flag that the workers have too
         serve_args.append("--metrics-require-auth")
+    if args.otlp_traces_endpoint:  # so is this one: both ends of each trace
+        serve_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     worker_key = args.worker_api_key or args.api_key
     ports = [args.base_port + i for i in range(args.workers)]
     router_sock = _bind(args.host, args.router_port)

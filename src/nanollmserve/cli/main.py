@@ -22,6 +22,8 @@ SUBCOMMAND_MODULES = [
     "nanollmserve.cli.profile",
     "nanollmserve.cli.router",
     "nanollmserve.cli.cluster",
+    "nanollmserve.cli.trace",
+    "nanollmserve.cli.replay",
 ]
 
 

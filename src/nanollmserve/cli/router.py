@@ -16,6 +16,7 @@ import os
 
 from nanollmserve.cli.sizes import parse_size
 from nanollmserve.errors import UserError
+from nanollmserve.tracing.flags import add_tracing_args, tracer_from_args
 
 API_KEY_ENV = "NANOLLMSERVE_API_KEY"
 WORKER_API_KEY_ENV = "NANOLLMSERVE_WORKER_API_KEY"
@@ -115,6 +116,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="(default %(default)s)",
     )
+    add_tracing_args(parser)
 
 
 def router_settings(args: argparse.Namespace):
@@ -140,6 +142,7 @@ def router_settings(args: argparse.Namespace):
         prefix_chars=args.prefix_chars,
         balance_threshold=args.balance_threshold,
         metrics_require_auth=args.metrics_require_auth,
+        tracer=tracer_from_args(args, "nanollmserve-router"),
         **sizes,
     )
 

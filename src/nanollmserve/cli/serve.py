@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ from nanollmserve.structured_output_limits import (
     add_structured_output_args,
     structured_output_limits_from_args,
 )
+from nanollmserve.tracing.flags import add_tracing_args, tracer_from_args
 
 logger = logging.getLogger("nanollmserve.serve")
 
@@ -93,6 +95,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
     )
+    group.add_argument(
+        "--sleep-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sleep (free the KV cache and the weights, as POST /sleep?level=2) after S "
+        "seconds without requests; the next request wakes the server and is served "
+        "(llama-server's flag; default: off)",
+    )
     group.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     group.add_argument(
         "--enable-auto-tool-choice",
@@ -127,6 +138,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="also serve gRPC (proto/nanollmserve.proto) on this port of --host (default: off)",
+    )
+    group.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/steps, the engine's flight record (--step-record), behind "
+        "the API key (default: off, a 404)",
     )
     group.add_argument(
         "--metrics-require-auth",
@@ -234,6 +251,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_limit_args(parser)
     add_structured_output_args(parser)
+    add_tracing_args(parser)
     env_sources, env_errors = apply_env_defaults(parser)
     parser.set_defaults(func=run, env_sources=env_sources, env_errors=env_errors)
 
@@ -245,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _start_native_build(args)
     from nanollmserve.frontend.async_engine import DEFAULT_MAX_QUEUE_LEN
     from nanollmserve.frontend.tokenizer import load_chat_template
 
@@ -255,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.log_stats_interval < 0:
         raise UserError(f"--log-stats-interval must be >= 0, got {args.log_stats_interval}")
+    idle = args.sleep_idle_seconds
+    if idle is not None and not (math.isfinite(idle) and idle > 0):
+        raise UserError(f"--sleep-idle-seconds must be a number of seconds > 0, got {idle}")
     limits_from_args(args)  # a bad limit fails before the model loads
     structured_output_limits_from_args(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -262,6 +284,13 @@ def run(args: argparse.Namespace) -> int:
     if args.model_pos and "model" in args.env_sources:
         args.model = None  # the positional MODEL beats NANOLLMSERVE_MODEL, as a flag would
     config = engine_config_from_args(args)
+    if config.runner == "pooling" and args.reasoning_parser is not None:
+        raise UserError(
+            "--reasoning-parser has nothing to parse with --runner pooling "
+            "(it serves /v1/embeddings, no generated text)"
+        )
+    if args.sleep_idle_seconds is not None and config.tensor_parallel_size > 1:
+        raise UserError("--sleep-idle-seconds is not supported with tensor parallelism")
     if config.tensor_parallel_size > 1 and int(os.environ.get("RANK", 0)) > 0:
         from nanollmserve.distributed.tp_worker import run_torchrun_worker
 
@@ -271,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     args.cors = {name: _json_list(args, name) for name in CORS_FLAGS}
     args.default_chat_template_kwargs = _chat_template_kwargs(args.default_chat_template_kwargs)
     _check_tls(args)
+    args.tracer = tracer_from_args(args, "nanollmserve")  # no packages: fails before loading
     if args.generation_config not in ("auto", "vllm"):
         from nanollmserve.generation_config import load_generation_defaults
 
@@ -281,6 +311,22 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args, config, chat_template, max_queue_len, sock, start))
     finally:
         sock.close()
+
+
+def _start_native_build(args: argparse.Namespace) -> None:
+    """On a machine without the native kernels yet, compile them in the background while torch
+    and the engine import (about a second of the first start), when this start may run GGUF
+    blocks; the model load finds the library built or waits for that build."""
+    try:
+        config = engine_config_from_args(args)
+    except UserError:
+        return  # reported once the run gets there
+    from nanollmserve.model.source import may_run_gguf_blocks
+
+    if may_run_gguf_blocks(config, config.device):
+        from nanollmserve.native.build import build_in_background
+
+        build_in_background()
 
 
 async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int:
@@ -301,6 +347,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
             max_queue_len=max_queue_len,
             chat_template=chat_template,
             structured_output_limits=structured_output_limits_from_args(args),
+            sleep_idle_seconds=args.sleep_idle_seconds,
         ),
     )
     # The server's modules (FastAPI, pydantic, uvicorn: about 0.4 s) import while the engine
@@ -341,6 +388,8 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         allowed_headers=args.cors["allowed_headers"],
         allow_credentials=args.allow_credentials,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        enable_debug_endpoints=args.enable_debug_endpoints,
+        tracer=args.tracer,
     )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
@@ -353,6 +402,8 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
             model_name=app.state.ctx.model_name,
             api_key=args.api_key,
             log_requests=settings.log_requests,
+            reasoning_parser=args.reasoning_parser,
+            tracer=args.tracer,
         )
         url += f" grpc={_url_host(host)}:{grpc_port}"
     stats_task = None

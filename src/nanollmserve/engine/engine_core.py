@@ -4,21 +4,28 @@ It owns the scheduler (with the KV block manager), the model runner and the coun
 EngineCoreRequests (token ids and sampling params), and returns an `EngineStepResult`: the
 EngineCoreOutputs (new token ids, finish reasons) and the stats after the step. It never sees
 text. Construction loads the model and makes the one KV allocation, sized from
-`num_kv_blocks` or `kv_cache_memory`.
+`num_kv_blocks` or `kv_cache_memory`. Sleep mode (`sleep`, `wake_up`) frees that allocation
+(level 2: the weights too) while no request is in the engine and makes it again on wake.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import gc
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from nanollmserve.config import EngineConfig
+from nanollmserve.engine.flight_recorder import FlightRecorder, StepRecord, config_json
 from nanollmserve.engine.kv_budget import gpu_kv_cache_bytes
 from nanollmserve.engine.kv_cache import KVCacheManager
+from nanollmserve.engine.kv_offload import KVOffload
 from nanollmserve.engine.lora_manager import LoRAManager
 from nanollmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from nanollmserve.engine.model_loading import LoadedModel, load_engine_model
@@ -55,6 +62,7 @@ class EngineStepResult:
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        self.kv_offload: KVOffload | None = None
         self.tensor_parallel = start_tensor_parallel(config)  # None with one rank
         try:
             self._build(config, loaded)
@@ -71,6 +79,11 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks(block_size)
         self.max_model_len = self._max_model_len(self.num_kv_blocks * block_size)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.flight_recorder = (  # --step-record N: the last N steps (0: none)
+            FlightRecorder(config.step_record, config_json(config), self.num_kv_blocks, block_size)
+            if config.step_record
+            else None
+        )
         # --runner pooling: prefill-only requests, their hidden states pooled (no sampling).
         self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
         self.lora_manager = (
@@ -78,15 +91,12 @@ class EngineCore:
             if config.enable_lora
             else None
         )
+        self.model_runner = self._make_model_runner()
+        # --kv-offload-dir: read through the current runner (sleep mode makes new pools).
+        self.kv_offload = KVOffload.open(config, self.loaded, lambda: self.model_runner.kv_cache)
         self._make_scheduler()
-        self.model_runner = ModelRunner(
-            self.loaded.model,
-            num_blocks=self.num_kv_blocks,
-            block_size=block_size,
-            device=self.device,
-            dtype=self.dtype,
-            seed=config.seed,
-        )
+        self.sleep_level: int | None = None
+        """1 or 2 while asleep (`sleep`), None while awake."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.start_workers(self.num_kv_blocks)
             self.model_runner.step_sender = self.tensor_parallel.send_step
@@ -96,6 +106,8 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Admit a request, or raise ValueError if it can never run."""
+        if self.sleep_level is not None:
+            raise ValueError("the engine is asleep: wake it up first")
         if core_request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {core_request.request_id!r} is already running")
         num_prompt = len(core_request.prompt_token_ids)
@@ -117,9 +129,19 @@ class EngineCore:
                 raise ValueError("LoRA adapters are off: start the engine with enable_lora")
             request.lora = self.lora_manager.get(core_request.lora_name)
         self.scheduler.add_request(request)
+        if self.flight_recorder is not None:
+            self.flight_recorder.add_arrival(
+                request.request_id,
+                core_request.prompt_token_ids,
+                params,
+                request.arrival_time,
+                core_request.lora_name,
+            )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish the requests now; every block they hold returns to the pool."""
+        if self.flight_recorder is not None and request_ids:
+            self.flight_recorder.add_aborts(request_ids)
         for request_id in request_ids:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
@@ -130,21 +152,63 @@ class EngineCore:
 
     # -- the loop body --------------------------------------------------------------------
     def step(self) -> EngineStepResult:
+        started = time.perf_counter()
         if self.spec_decoder is not None:  # drafts for the decoding requests
             self.spec_decoder.propose(self.scheduler.running)
+        proposed = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.counters.record_schedule(scheduled)
+        recorder = self.flight_recorder
+        # Before the update moves them on: how much each request had left decides its phase.
+        batch = _recorded_batch(scheduled) if recorder is not None else None
         outputs: list[EngineCoreOutput] = []
+        sampled = None
+        scheduled_at = executed = time.perf_counter()
         if not scheduled.is_empty:
             if self.lora_manager is not None:
                 self.lora_manager.set_batch(scheduled.requests, scheduled.num_new_tokens)
             sampled = self._execute_model(scheduled)
+            self.kv_cache.offload_computed_blocks(scheduled.requests)
+            executed = time.perf_counter()
             if self.pooler is not None:
                 outputs, step = self.pooler.update(self.scheduler, scheduled, sampled)
+                sampled = None  # embeddings, not tokens
             else:
                 outputs, step = self.scheduler.update_from_output(scheduled, sampled)
             self.counters.record_step(step)
+        if recorder is not None:
+            times = (started, proposed, scheduled_at, executed)
+            self._record_step(recorder, scheduled, batch, sampled, outputs, times)
         return EngineStepResult(outputs, self.stats())
+
+    def _record_step(self, recorder, scheduled, batch, sampled, outputs, times) -> None:
+        """One StepRecord of what this step did; `times`: perf_counter() when it started,
+        proposed drafts, scheduled and executed the model."""
+        started, proposed, scheduled_at, executed = times
+        now = time.perf_counter()
+        block_events, self.kv_cache.block_events = self.kv_cache.block_events, []
+        recorder.append(
+            StepRecord(
+                step=recorder.num_steps,
+                wall_time=time.time() - (now - started),
+                durations=(
+                    proposed - started,
+                    scheduled_at - proposed,
+                    executed - scheduled_at,
+                    now - executed,
+                ),
+                batch=batch,
+                drafts=scheduled.spec_token_ids,
+                sampled=sampled,
+                preemptions=scheduled.preemptions,
+                finished=[(o.request_id, o.finish_reason) for o in outputs if o.finish_reason],
+                block_events=block_events,
+                num_waiting=len(self.scheduler.waiting),
+                num_running=len(self.scheduler.running),
+                num_used_blocks=self.kv_cache.num_used_blocks,
+                inputs=recorder.take_inputs(),
+            )
+        )
 
     def _execute_model(self, scheduled):
         """The sampled tokens of each request (or, pooling, its embedding once complete)."""
@@ -167,7 +231,9 @@ class EngineCore:
             self.tensor_parallel.add_failure_listener(listener)
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
+        """Finish the KV offload tier's writes; stop the other tensor-parallel ranks."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.shutdown()
 
@@ -187,6 +253,68 @@ class EngineCore:
         if self.spec_decoder is not None:
             self.spec_decoder.reset()
 
+    def _make_model_runner(self) -> ModelRunner:
+        return ModelRunner(
+            self.loaded.model,
+            num_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.config.seed,
+        )
+
+    # -- sleep mode -----------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Free memory while no request is in the engine: level 1 the KV pool (the draft
+        model's too), level 2 also the weights (reloaded from the model source on wake).
+        Every cached prefix is forgotten. Sleeping deeper than now frees the rest; raises
+        UserError for what cannot sleep (see `check_sleep`)."""
+        self.check_sleep(level)
+        if self.has_unfinished_requests():
+            raise RuntimeError("the engine can only sleep with no request in it")
+        if self.sleep_level is not None and self.sleep_level >= level:
+            return
+        self.reset()  # the prefix cache describes a pool about to be gone
+        for runner in self._model_runners():
+            if not runner.kv_cache_released:
+                runner.release_kv_cache()
+        if level == 2:
+            self.model_runner = None
+            self.loaded = replace(self.loaded, model=None)
+        self.sleep_level = level
+        release_freed_memory()
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: reload the weights (level 2), make fresh KV pools. Idempotent."""
+        if self.sleep_level is None:
+            return
+        if self.model_runner is None:
+            self.loaded = load_engine_model(self.config)
+            self.model_runner = self._make_model_runner()
+        for runner in self._model_runners():
+            if runner.kv_cache_released:
+                runner.reallocate_kv_cache()
+        self.sleep_level = None
+
+    def check_sleep(self, level: int) -> None:
+        """UserError unless this engine can sleep at `level` (1 or 2): not under tensor
+        parallelism (the other ranks hold their own pools); level 2 not with LoRA adapters
+        or a draft model (both wrap or pair with the weights it would reload)."""
+        if level not in (1, 2):
+            raise UserError(f"sleep level must be 1 or 2, got {level}")
+        if self.tensor_parallel is not None:
+            raise UserError("sleep mode is not supported with tensor parallelism")
+        if level == 2 and self.lora_manager is not None:
+            raise UserError("sleep level 2 is not supported with LoRA adapters: use level 1")
+        if level == 2 and self._model_runners()[1:]:
+            raise UserError("sleep level 2 is not supported with a draft model: use level 1")
+
+    def _model_runners(self) -> list[ModelRunner]:
+        """The runners that hold a KV pool: the target's, then a draft model's."""
+        runners = [] if self.model_runner is None else [self.model_runner]
+        draft_runner = getattr(getattr(self.spec_decoder, "proposer", None), "runner", None)
+        return runners + ([draft_runner] if draft_runner is not None else [])
+
     def _make_scheduler(self) -> None:
         config = self.config
         # Pooling pools every prompt token's hidden state: a cached prefix would skip some.
@@ -194,6 +322,7 @@ class EngineCore:
             self.num_kv_blocks,
             config.block_size,
             config.enable_prefix_caching and config.runner != "pooling",
+            offload=self.kv_offload,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -202,6 +331,8 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else 0,
             policy=config.scheduling_policy,
         )
+        if self.flight_recorder is not None:
+            self.kv_cache.block_events = []
 
     # -- sizing ---------------------------------------------------------------------------
     def _num_kv_blocks(self, block_size: int) -> int:
@@ -244,6 +375,26 @@ class EngineCore:
             return self.config.max_model_len
         # Every request must fit the pool on its own, or it could never finish.
         return min(model_limit, DEFAULT_MAX_MODEL_LEN_CAP, pool_tokens)
+
+
+def _recorded_batch(scheduled) -> list[tuple[str, int, int, bool]]:
+    """The flight recorder's view of a schedule: per request (id, tokens scheduled, tokens
+    it had left to compute, whether a grammar masks its sampling)."""
+    return [
+        (r.request_id, n, r.num_tokens - r.num_computed_tokens, r.grammar is not None)
+        for r, n in zip(scheduled.requests, scheduled.num_new_tokens, strict=True)
+    ]
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the OS (glibc's malloc_trim),
+    so what `sleep` dropped leaves the process's RSS, not only its heap."""
+    gc.collect()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        libc = ctypes.CDLL(libc_name)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
 
 
 def start_tensor_parallel(config: EngineConfig) -> TensorParallelExecutor | None:

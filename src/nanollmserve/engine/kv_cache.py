@@ -12,16 +12,28 @@ batch writes its K/V before any attention reads, so a request scheduled later in
 step may already reuse them). A freed block keeps its hash and stays findable until the pool
 needs it for something else: free blocks form an LRU queue, evicted from the front.
 
+KV offload (`kv_offload.py`, `--kv-offload-dir`): a second tier behind the pool. Every block
+registered here is handed to it once the step that computes it has run
+(`offload_computed_blocks`), and a lookup that misses the pool goes on in the offload store:
+the blocks found there are read into free pool blocks and registered, so they are taken as
+pool hits are.
+
 It counts nothing: the scheduler reports lookups, hits and blocks in use in its
-`SchedulerOutput`, and `EngineCore` keeps the totals (`engine/stats.py`).
+`SchedulerOutput`, and `EngineCore` keeps the totals (`engine/stats.py`). With the flight
+recorder on, each request's block events (allocated, released, prefix hits, evictions) go
+into `block_events`, which the engine drains into each step's record.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanollmserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from nanollmserve.engine.kv_offload import KVOffload
 
 
 class KVBlock:
@@ -43,6 +55,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached_blocks: dict[int, KVBlock] = {}
+        self.num_evicted = 0  # cached blocks overwritten since start (the flight recorder's)
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +68,7 @@ class BlockPool:
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = block.key = None
+                self.num_evicted += 1
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
@@ -126,12 +140,24 @@ class RequestBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        offload: KVOffload | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, RequestBlocks] = {}  # request id -> what it holds
+        self.offload = offload if enable_prefix_caching else None
+        self._unsaved: list[tuple[Request, int, KVBlock]] = []
+        """Blocks registered for the step being scheduled, for the offload tier once it ran."""
+        self.block_events: list[tuple[str, int, int, int, int]] | None = None
+        """With the flight recorder on, a list the engine drains each step: (request id,
+        blocks allocated, released, prefix-cache hits, cached blocks evicted) per change."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,7 +186,28 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.offload is not None and len(hits) < max_blocks:
+            hits += self._load_offloaded(request, hits, max_blocks)
         return hits
+
+    def _load_offloaded(
+        self, request: Request, hits: list[KVBlock], max_blocks: int
+    ) -> list[KVBlock]:
+        """The request's blocks after its pool hits that the offload store holds, read into
+        free pool blocks and registered there (free, so taken as pool hits are). Leaves at
+        least one free block besides them and never evicts the request's own hits."""
+        start = len(hits)
+        spare = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0) - 1
+        num_found = min(self.offload.num_stored(request, start, max_blocks), spare)
+        if num_found <= 0:
+            return []
+        self.pool.touch(hits)  # out of the free queue while fresh blocks are taken from it
+        blocks = self.pool.allocate(num_found)
+        num_loaded = self.offload.load(request, start, [b.block_id for b in blocks])
+        for i, block in enumerate(blocks[:num_loaded], start):
+            self.pool.register(block, request.block_hashes[i], self._block_key(request, i))
+        self.pool.free(list(reversed(blocks)) + list(reversed(hits)))
+        return blocks[:num_loaded]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
@@ -177,8 +224,19 @@ class KVCacheManager:
         self.req_blocks[request.request_id] = held
         self.pool.touch(list(computed_blocks))
         held.blocks.extend(computed_blocks)
+        num_evicted = self.pool.num_evicted
         if num_needed > 0:
             held.blocks.extend(self.pool.allocate(num_needed))
+        if self.block_events is not None and (num_needed > 0 or computed_blocks):
+            self.block_events.append(
+                (
+                    request.request_id,
+                    max(num_needed, 0),
+                    0,
+                    len(computed_blocks),
+                    self.pool.num_evicted - num_evicted,
+                )
+            )
         held.num_tokens = num_tokens
         if computed_blocks:  # a fresh request: its cache hits are its first blocks
             held.num_registered = len(computed_blocks)
@@ -197,12 +255,16 @@ class KVCacheManager:
         num_kept = -(-num_tokens // self.block_size)
         if len(held.blocks) > num_kept:
             self.pool.free(list(reversed(held.blocks[num_kept:])))
+            if self.block_events is not None:
+                self.block_events.append((request.request_id, 0, len(held.blocks) - num_kept, 0, 0))
             del held.blocks[num_kept:]
 
     def free(self, request: Request) -> None:
         held = self.req_blocks.pop(request.request_id, None)
         if held is not None:
             self.pool.free(list(reversed(held.blocks)))
+            if self.block_events is not None and held.blocks:
+                self.block_events.append((request.request_id, 0, len(held.blocks), 0, 0))
 
     def stats(self) -> KVCacheStats:
         used = self.num_used_blocks
@@ -229,7 +291,25 @@ class KVCacheManager:
         self._extend_block_hashes(request, num_full)
         for i in range(held.num_registered, num_full):
             self.pool.register(held.blocks[i], request.block_hashes[i], self._block_key(request, i))
+            if self.offload is not None:
+                self._unsaved.append((request, i, held.blocks[i]))
         held.num_registered = num_full
+
+    def offload_computed_blocks(self, ran: list[Request]) -> None:
+        """After a step ran: hand the blocks registered for it to the offload tier. A block
+        whose request was taken out of the step before it ran holds no K/V, and one another
+        request registered first is saved as that request's: neither is handed over."""
+        if not self._unsaved:
+            return
+        unsaved, self._unsaved = self._unsaved, []
+        ran_ids = {id(request) for request in ran}
+        self.offload.save(
+            [
+                (request, i, block.block_id)
+                for request, i, block in unsaved
+                if id(request) in ran_ids and block.block_hash == request.block_hashes[i]
+            ]
+        )
 
     def _block_key(self, request: Request, index: int) -> tuple:
         """(parent block's hash, this block's token ids): what the block's hash is made of.

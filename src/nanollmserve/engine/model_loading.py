@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from nanollmserve.layers.quantization import COMPUTE_DTYPES, GGUF_METHOD, quanti
 from nanollmserve.model.device import resolve_device, resolve_dtype
 from nanollmserve.model.loader import load_gguf_block_model, load_model
 from nanollmserve.model.model_config import ModelConfig
-from nanollmserve.model.source import ModelSource, resolve_model
+from nanollmserve.model.source import ModelSource, may_run_gguf_blocks, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +42,12 @@ class LoadedModel:
 def load_engine_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
     device = resolve_device(config.device)
+    if may_run_gguf_blocks(config, device.type):
+        # Compiled (once per machine) while the GGUF file is converted and laid out (`serve`
+        # starts it earlier, before torch imports: then this finds it built or waits for it).
+        from nanollmserve.native.build import build_in_background
+
+        build_in_background()
     source = resolve_model(config.model)
     quantization = resolve_quantization(config, source, device)
     dtype = resolve_dtype(config.dtype, device)
@@ -54,9 +59,12 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     blocks = None
     if quantization == GGUF_METHOD:
         blocks = gguf_blocks_to_run(source, model_config, config.quantization)
-        if blocks is None:
-            quantization = None  # the default, on a file without 4-bit linear weights
     model = gguf_block_model(source, model_config, blocks) if blocks else None
+    # Checked last: a native build still running in the background overlaps the steps above.
+    if blocks and not native_kernels_run(config.quantization):
+        blocks = model = None
+    if quantization == GGUF_METHOD and not blocks:
+        quantization = None  # the default, on a file without 4-bit blocks or without kernels
     if model is None:
         # A GGUF source's directory is our cache entry: it keeps the fused weights for later loads.
         model = load_model(source.path, model_config, dtype, device, source.gguf_path is not None)
@@ -110,27 +118,17 @@ def gguf_blocks_to_run(
     source: ModelSource, model_config: ModelConfig, asked: str | None
 ) -> dict | None:
     """`gguf`: the GGUF file's own quantized blocks (weight name -> `BlockRows`) that the
-    linear layers run through the native kernels -> None when the file has none or the
-    kernels cannot run here and `--quantization gguf` was not `asked` for (else that is a
-    UserError)."""
+    linear layers run through the native kernels (`native_kernels_run` says whether they can)
+    -> None when the file has none and `--quantization gguf` was not `asked` for (else that is
+    a UserError)."""
     from nanollmserve.model.gguf_cache import cached_gguf_blocks
-    from nanollmserve.native.build import kernels_unavailable_reason
 
     if source.gguf_path is None:
         raise UserError(
             f"--quantization {GGUF_METHOD} runs a GGUF file's blocks: give the bundled model or "
             f"a *.gguf file, not {source.description}"
         )
-    # On a first start the compiler runs while the blocks are laid out (two ~1.5 s steps).
-    with ThreadPoolExecutor(1, thread_name_prefix="native-build") as pool:
-        pool.submit(_prebuild_kernels)
-        blocks = cached_gguf_blocks(source.path, source.gguf_path, model_config)
-    reason = kernels_unavailable_reason()
-    if reason is not None:
-        if asked is None:
-            logger.warning("running the dequantized weights: %s", reason)
-            return None
-        raise UserError(f"--quantization {GGUF_METHOD} needs the native kernels: {reason}")
+    blocks = cached_gguf_blocks(source.path, source.gguf_path, model_config)
     if not any(name != "lm_head.weight" for name in blocks):
         if asked is None:
             return None
@@ -142,15 +140,19 @@ def gguf_blocks_to_run(
     return blocks
 
 
-def _prebuild_kernels() -> None:
-    """Compile this CPU's native library if it is not in the cache yet; a failure is left for
-    `kernels_unavailable_reason` to report."""
-    from nanollmserve.native.build import build_library
+def native_kernels_run(asked: str | None) -> bool:
+    """Whether the native kernels load here (waiting for a build still running in the
+    background) -> False, with a warning, when they cannot and `--quantization gguf` was not
+    `asked` for (the dequantized weights run instead; asked for, that is a UserError)."""
+    from nanollmserve.native.build import kernels_unavailable_reason
 
-    try:
-        build_library()
-    except Exception:  # noqa: BLE001 (reported by the load that follows)
-        logger.debug("prebuilding the native kernels failed", exc_info=True)
+    reason = kernels_unavailable_reason()
+    if reason is None:
+        return True
+    if asked is None:
+        logger.warning("running the dequantized weights: %s", reason)
+        return False
+    raise UserError(f"--quantization {GGUF_METHOD} needs the native kernels: {reason}")
 
 
 def gguf_block_model(source: ModelSource, model_config: ModelConfig, blocks: dict):

@@ -9,9 +9,9 @@ builds the flat batch (input ids, positions, slot mapping, block tables) with te
 over requests, never a Python loop over tokens, sets the attention context, runs the model
 on the flat batch, computes logits only at the positions that sample, and samples. A
 one-token step runs its matmuls on the CPU kernel that is fastest for one row
-(`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step of one request alone (its
-next token, its verify step, or a short prefill chunk: `_native_span`) runs as a single
-native call instead (`engine/native_decode.py`).
+(`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step whose requests each run a
+few tokens (their next tokens, verify steps, short prefill chunks: `_native_spans`) runs as a
+single native call instead (`engine/native_decode.py`).
 
 Failure isolation: what comes after the logits (sampling metadata, grammar masks, the
 sampler) belongs to one request per row, so when it raises the step is sampled again request
@@ -23,8 +23,8 @@ by request and only the requests whose own rows raise fail (`RequestFailure`, fi
 Speculative decoding: a request with draft tokens in `scheduled.spec_token_ids` runs its last
 token and its k drafts as one span; the target samples a token at each of those k + 1
 positions and `engine/spec_decode/rejection_sampler.py` keeps the accepted prefix, so a
-request may emit several tokens in one step. A lone request's verify step is one native call
-that returns the logits of all k + 1 positions.
+request may emit several tokens in one step. On the native step a verify span returns the
+logits of all k + 1 positions.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ import mmap
 import os
 from collections import Counter
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from nanollmserve.engine.messages import RequestFailure, SampledToken, TokenLogprobs
-from nanollmserve.engine.native_decode import NativeDecodeStep
+from nanollmserve.engine.native_decode import NativeDecodeStep, StepSpan
 from nanollmserve.engine.prompt_logprobs import PromptLogprobRows
 from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
@@ -63,20 +62,12 @@ logger = logging.getLogger(__name__)
 
 FAIL_SAMPLING_SEED_ENV = "NANOLLMSERVE_FAIL_SAMPLING_SEED"
 NATIVE_PREFILL_MAX_TOKENS = 64
-"""The longest prefill chunk of a lone request that runs as one native call. Measured on the
-bundled model (2-core Xeon with AMX, whose tiles the PyTorch forward's batched matmuls use):
-8 tokens 6.2 ms native vs 18.1 ms forward, 32: 19.5 vs 32.3, 64: 38.3 vs 50.6."""
-
-
-class NativeSpan(NamedTuple):
-    """A step of one sequence for the native step: its tokens from `position` on, and how
-    many of the last ones give logits."""
-
-    kind: str
-    """decode, verify or prefill (`ModelRunner.native_steps` counts them)."""
-    token_ids: list[int]
-    position: int
-    num_logits: int
+"""The longest prefill chunk of a request that runs on the native step. Measured on the
+bundled model (2-core Xeon with AMX, whose tiles the PyTorch forward's batched matmuls use),
+one request: 8 tokens 6.2 ms native vs 18.1 ms forward, 32: 19.5 vs 32.3, 64: 38.3 vs 50.6."""
+NATIVE_MAX_TOKENS = 256
+"""The most tokens of a step that runs as one native call (its attention is a loop over keys
+per token, where a long batch of prefill chunks is better served by the forward's SDPA)."""
 
 
 class InjectedSamplingFailure(RuntimeError):
@@ -105,8 +96,8 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
-        # One request's decode, verify or short prefill step runs as one native call when
-        # the model allows it (`_native_span`).
+        # A step of decode tokens, verify steps and short prefill chunks, of one request or
+        # several, runs as one native call when the model allows it (`_native_spans`).
         self.native_decode = NativeDecodeStep.for_model(model, num_blocks * block_size)
         self.native_steps: Counter[str] = Counter()
         """Steps run by `native_decode`, by kind: decode, verify, prefill."""
@@ -123,14 +114,12 @@ class ModelRunner:
         """The tokens each request emits: one, none (a prefill chunk short of the prompt's
         end) or, with draft tokens, the accepted drafts and one more; a `RequestFailure`
         for a request whose own sampling raised (`_sample`)."""
-        span = self._native_span(scheduled)
-        if span is not None:
-            self.native_steps[span.kind] += 1
-            logits = self.native_decode(
-                span.token_ids, span.position, scheduled.block_ids[0], span.num_logits
-            )
-            sample_rows = [0] if span.num_logits else []
-            logits = logits if span.num_logits else None
+        spans = self._native_spans(scheduled)
+        if spans is not None:
+            self.native_steps[self._native_kind(scheduled, spans)] += 1
+            logits = self.native_decode(spans)
+            sample_rows = [i for i, span in enumerate(spans) if span.num_logits]
+            logits = logits if sample_rows else None
         else:
             input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
             prompt_rows = PromptLogprobRows.of(scheduled)  # scored after the sampling rows
@@ -212,27 +201,41 @@ class ModelRunner:
         self.grammar_bitmask.apply(logits, requests, row_drafts)
         return _to_sampled_tokens(self.sampler(logits, meta), requests)
 
-    def _native_span(self, scheduled: SchedulerOutput) -> NativeSpan | None:
-        """The tokens of a step the native step runs, or None: one request's consecutive
-        tokens on one rank: its next token (decode), its last token and its drafts (verify:
-        logits at each), or a prefill chunk of at most NATIVE_PREFILL_MAX_TOKENS tokens
-        without prompt logprobs (the last token's logits at the prompt's end, none before)."""
+    def _native_spans(self, scheduled: SchedulerOutput) -> list[StepSpan] | None:
+        """The step as native spans, one per request, or None (the forward runs it): on one
+        rank, without prompt logprobs, at most NATIVE_MAX_TOKENS tokens, each request running
+        its next token (decode), its last token and its drafts (verify: logits at each), or a
+        prefill chunk of at most NATIVE_PREFILL_MAX_TOKENS tokens (the last token's logits at
+        the prompt's end, none before)."""
         if self.native_decode is None or self.step_sender is not None:
             return None
-        if len(scheduled.requests) != 1:
+        if sum(scheduled.num_new_tokens) > NATIVE_MAX_TOKENS or PromptLogprobRows.of(scheduled):
             return None
-        request, num_new = scheduled.requests[0], scheduled.num_new_tokens[0]
-        start = request.num_computed_tokens
-        drafts = scheduled.spec_token_ids.get(request.request_id, [])
-        if start + 1 < request.num_tokens:  # a prefill chunk
-            if num_new > NATIVE_PREFILL_MAX_TOKENS or PromptLogprobRows.of(scheduled):
+        spans = []
+        for request, num_new, block_ids in zip(
+            scheduled.requests, scheduled.num_new_tokens, scheduled.block_ids, strict=True
+        ):
+            start = request.num_computed_tokens
+            drafts = scheduled.spec_token_ids.get(request.request_id, [])
+            if start + 1 < request.num_tokens and num_new > NATIVE_PREFILL_MAX_TOKENS:
                 return None
+            token_ids = request.all_token_ids[start : start + num_new - len(drafts)] + drafts
+            samples = start + num_new == request.num_tokens + len(drafts)
+            spans.append(StepSpan(token_ids, start, block_ids, len(drafts) + 1 if samples else 0))
+        return spans
+
+    @staticmethod
+    def _native_kind(scheduled: SchedulerOutput, spans: list[StepSpan]) -> str:
+        """What `native_steps` counts the step as: prefill (a prefill chunk in it), verify
+        (drafts in it), else decode; `batched-` when it runs several requests."""
+        if any(
+            span.position + 1 < request.num_tokens
+            for span, request in zip(spans, scheduled.requests, strict=True)
+        ):
             kind = "prefill"
         else:
-            kind = "verify" if drafts else "decode"
-        token_ids = request.all_token_ids[start : start + num_new - len(drafts)] + drafts
-        samples = start + num_new == request.num_tokens + len(drafts)
-        return NativeSpan(kind, token_ids, start, len(drafts) + 1 if samples else 0)
+            kind = "verify" if any(scheduled.spec_token_ids.values()) else "decode"
+        return kind if len(spans) == 1 else f"batched-{kind}"
 
     @torch.inference_mode()
     def run_model(
@@ -377,6 +380,34 @@ class ModelRunner:
         if wanted:
             meta.max_num_logprobs = max(wanted)
         return meta
+
+    # -- sleep mode (`engine_core.py`: EngineCore.sleep) ---------------------------------------
+    @property
+    def kv_cache_released(self) -> bool:
+        return self.kv_cache is None
+
+    def release_kv_cache(self) -> None:
+        """Free the KV pool: drop every view of it (the layers' K/V planes, the native step,
+        which holds raw pointers into it), so its memory map is unmapped and the process's
+        RSS falls by what was committed of it. Its contents are lost."""
+        self._released_kv_shape = tuple(self.kv_cache.shape)
+        self.native_decode = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reallocate_kv_cache(self) -> None:
+        """A fresh zeroed KV pool of the released one's shape, bound to the layers again, and
+        the native step rebuilt on its new addresses."""
+        shape = self._released_kv_shape
+        self.kv_cache = zeroed_tensor(shape, self.dtype, self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        num_blocks, block_size = shape[2], shape[3]
+        self.native_decode = NativeDecodeStep.for_model(self.model, num_blocks * block_size)
 
 
 def _parse_fail_seed(value: str) -> int | None:

@@ -1,16 +1,17 @@
-"""One sequence's step in one native call: what CUDA graphs are to vLLM's decode.
+"""A step of a few tokens in one native call: what CUDA graphs are to vLLM's decode.
 
-A step of a few tokens of one sequence is ~1000 small operator calls in PyTorch (norms,
-rotary, the K/V write and gather, SDPA, 120 matmuls, residual adds); at a few tokens their
+A step of a few tokens is ~1000 small operator calls in PyTorch (norms, rotary, the K/V
+write and gather, attention, 120 matmuls, residual adds); at a few tokens per sequence their
 dispatch costs more than their arithmetic. With the weights in GGUF blocks
 (`--quantization gguf`), the whole step (token ids to logits) runs as `nls_decode_step` in
 `native/gguf_cpu.c` (through `native/ops.py`'s `decode_step`): the same layers, the same
-paged KV cache (written and read in place through the block table), the same block kernels
-as the `GGUFLinear` layers. It runs T
-consecutive tokens of one sequence at positions p..p+T-1, token i attending to positions
-<= p+i, the T rows through each matrix together, and returns the logits of the tokens asked
-for: T = 1 is a single-stream decode step, T = k + 1 a speculative verify step (logits at
-every position), and a short prefill chunk of one request asks for the last token's only.
+paged KV cache (written and read in place through the block tables), the same block kernels
+as the `GGUFLinear` layers. A step is one `StepSpan` per sequence: consecutive tokens at
+positions p..p+T-1, token i attending to its sequence's positions <= p+i; all the step's
+rows go through each matrix together, and the logits of the tokens asked for come back. One
+token per sequence is a decode step (of one sequence or a batch), the last token and k
+drafts a speculative verify step (logits at every position), and a short prefill chunk asks
+for the last token's logits at the prompt's end, none before.
 
 The step is built from the model's own declaration (`model.native_decoder()`,
 `model/native_decoder.py`), never from its internals: a model that cannot declare itself
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -98,9 +101,21 @@ def _kernel_limits(decoder: NativeDecoder) -> str | None:
     return None
 
 
+class StepSpan(NamedTuple):
+    """One sequence's tokens in a native step."""
+
+    token_ids: list[int]
+    """Consecutive tokens of the sequence, the first at `position`."""
+    position: int
+    block_ids: list[int]
+    """The sequence's block table (reaching its last position)."""
+    num_logits: int
+    """How many of the last tokens give logits (0: none, the K/V only)."""
+
+
 class NativeDecodeStep:
-    """`step(token_ids, position, block_ids, num_logits)` -> float32 logits [num_logits, vocab]
-    of the last `num_logits` of those consecutive tokens."""
+    """`step(spans)` -> float32 logits [sum of num_logits, vocab]: for each `StepSpan` in
+    order, the logits of its last `num_logits` tokens."""
 
     def __init__(self, decoder: NativeDecoder, model: nn.Module, max_context: int) -> None:
         self._model = model  # keeps every tensor the structures point into alive
@@ -143,36 +158,48 @@ class NativeDecodeStep:
         if reason is not None:
             logger.info("steps run in PyTorch, not as one native call: %s", reason)
             return None
-        logger.info("one sequence's decode and verify steps run as one native call (GGUF blocks)")
+        logger.info("decode, verify and short prefill steps run as one native call (GGUF blocks)")
         return cls(decoder, model, max_context)
 
-    def __call__(
-        self, token_ids: list[int], position: int, block_ids: list[int], num_logits: int = 1
-    ) -> torch.Tensor:
+    def __call__(self, spans: Sequence[StepSpan]) -> torch.Tensor:
         """Raises ValueError, before any native code runs, for a token id outside the
-        vocabulary, positions outside [0, max_context), a block table that does not reach the
-        last position or names a block outside the KV pool, or a `num_logits` outside
+        vocabulary, positions outside [0, max_context), a block table that does not reach a
+        span's last position or names a block outside the KV pool, or a `num_logits` outside
         [0, len(token_ids)] (`ops.decode_step` and the C check them again)."""
-        self._check(token_ids, position, block_ids, num_logits)
-        width = self.vocab_size if self._returns_logits else self._decoder.hidden_size
-        out = torch.empty(num_logits, width)
+        if not spans:
+            raise ValueError("the native step needs at least one sequence")
+        tokens: list[int] = []
+        positions: list[int] = []
+        seq_of_token: list[int] = []
+        logit_rows: list[int] = []
+        for seq, span in enumerate(spans):
+            self._check(span)
+            count = len(span.token_ids)
+            tokens += span.token_ids
+            positions += range(span.position, span.position + count)
+            seq_of_token += [seq] * count
+            logit_rows += range(len(tokens) - span.num_logits, len(tokens))
+        width = max(len(span.block_ids) for span in spans)
+        tables = [span.block_ids + [0] * (width - len(span.block_ids)) for span in spans]
+        out_width = self.vocab_size if self._returns_logits else self._decoder.hidden_size
+        out = torch.empty(len(logit_rows), out_width)
         decode_step(
             self._struct,
-            torch.tensor(token_ids, dtype=torch.int64),
-            position,
-            torch.tensor(block_ids, dtype=torch.int64),
-            len(token_ids) - num_logits,
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(seq_of_token, dtype=torch.int64),
+            torch.tensor(tables, dtype=torch.int64),
+            torch.tensor(logit_rows, dtype=torch.int64),
             out,
         )
-        if self._returns_logits or num_logits == 0:
+        if self._returns_logits or not logit_rows:
             return out
         return self._model.compute_logits(out)
 
-    def _check(
-        self, token_ids: list[int], position: int, block_ids: list[int], num_logits: int
-    ) -> None:
+    def _check(self, span: StepSpan) -> None:
+        token_ids, position, block_ids, num_logits = span
         if not token_ids:
-            raise ValueError("the native step needs at least one token")
+            raise ValueError("the native step needs at least one token per sequence")
         if not 0 <= num_logits <= len(token_ids):
             raise ValueError(f"num_logits {num_logits} is outside [0, {len(token_ids)}]")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

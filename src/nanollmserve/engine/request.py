@@ -81,6 +81,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, grown lazily
+        self.block_digests: list[bytes] = []  # the same chain, stable across processes (KV offload)
         # Draft tokens for the next step (speculative decoding), moved by the scheduler into
         # its SchedulerOutput.
         self.spec_token_ids: list[int] = []

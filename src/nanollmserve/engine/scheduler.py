@@ -46,6 +46,9 @@ from nanollmserve.engine.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
+PREEMPT_KV_CACHE_FULL = "kv_cache_full"
+PREEMPT_PRIORITY = "priority"
+
 
 @dataclass
 class SchedulerOutput:
@@ -61,6 +64,10 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Request id -> draft tokens scheduled after its last token (speculative decoding)."""
     num_preempted: int = 0
+    preemptions: list[tuple[str, str, str]] = field(default_factory=list)
+    """(request id, why, the request it made room for) of each preemption: `kv_cache_full`
+    (a running request needed a block and the pool had none) or `priority` (a waiting
+    request of a lower priority value needed the slot or the blocks)."""
     prefix_cache_queries: int = 0
     """Tokens of the requests admitted for the first time (0 with prefix caching off)."""
     prefix_cache_hits: int = 0
@@ -122,7 +129,7 @@ class Scheduler:
             drafts = drafts[: max(0, num_new - num_left)]
             while not self._allocate(out, request, num_new):
                 victim = self.running.pop()  # the newest (under priority: the last) one
-                self._preempt(victim, out)
+                self._preempt(victim, out, PREEMPT_KV_CACHE_FULL, request)
                 if victim is request:
                     break
             else:
@@ -207,7 +214,7 @@ class Scheduler:
                 out.spec_token_ids.pop(victim.request_id, None)
                 freed = num_new
                 break
-        self._preempt(victim, out)
+        self._preempt(victim, out, PREEMPT_PRIORITY, request)
         return freed
 
     def _has_lora_slot(self, request: Request) -> bool:
@@ -342,8 +349,11 @@ class Scheduler:
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(
+        self, request: Request, out: SchedulerOutput, reason: str, for_request: Request
+    ) -> None:
         out.num_preempted += 1
+        out.preemptions.append((request.request_id, reason, for_request.request_id))
         key = _priority_key(request)
         if out.num_preempted == 1 or key < self._first_preempted_key:
             self._first_preempted_key = key

@@ -33,7 +33,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -46,6 +46,7 @@ from nanollmserve.frontend.engine_loop import (
     EngineLoop,
     EngineObserver,
     EngineOverloadedError,
+    EngineSleepingError,
     EngineStepError,
     ServingStats,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "EngineInfo",
     "EngineObserver",
     "EngineOverloadedError",
+    "EngineSleepingError",
     "EngineStepError",
     "OutputKind",
     "RequestStream",
@@ -165,10 +167,17 @@ class AsyncEngine:
         chat_template: str | None = None,
         engine: EngineCore | None = None,
         structured_output_limits: StructuredOutputLimits | None = None,
+        sleep_idle_seconds: float | None = None,
     ) -> None:
         self.config = config
-        self.engine_loop = EngineLoop(lambda: engine or EngineCore(config))
+        self.engine_loop = EngineLoop(lambda: engine or EngineCore(config), sleep_idle_seconds)
         core = self.engine_loop.engine
+        if sleep_idle_seconds is not None:
+            try:
+                core.check_sleep(1)
+            except UserError:
+                self.engine_loop.stop()
+                raise
         self.info = EngineInfo(
             model_name=core.loaded.source.name,
             max_model_len=core.max_model_len,
@@ -252,6 +261,13 @@ class AsyncEngine:
 
     def stats(self) -> ServingStats:
         return self.engine_loop.stats()
+
+    def step_record_lines(self, since: int = 0) -> Iterator[str] | None:
+        """The flight record (the header line, then the steps from `since`) as JSON lines,
+        built lazily from a copy of the ring, on whatever thread iterates; None when the
+        recorder is off (`--step-record 0`)."""
+        recorder = self.engine_loop.engine.flight_recorder
+        return None if recorder is None else recorder.json_lines(since)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """`observer.on_step(EngineStats)` after every step and
@@ -355,6 +371,22 @@ class AsyncEngine:
         """Forget an adapter (requests already running with it finish); False if unknown."""
         manager = self.engine_loop.engine.lora_manager
         return manager is not None and manager.remove_adapter(name)
+
+    # -- sleep mode (`--enable-sleep-mode`, `--sleep-idle-seconds`) -----------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine_loop.is_sleeping
+
+    async def sleep(self, level: int = 1, abort: bool = False) -> None:
+        """Free the KV pool (level 2: the weights too) once the requests in flight have
+        finished (`abort`: ending them now); until `wake_up`, new requests raise
+        EngineSleepingError. UserError for a level this engine cannot sleep at."""
+        self.engine_loop.engine.check_sleep(level)
+        await asyncio.wrap_future(self.engine_loop.sleep(level, abort))
+
+    async def wake_up(self) -> None:
+        """Reallocate what `sleep` freed (idempotent); returns once requests can run."""
+        await asyncio.wrap_future(self.engine_loop.wake_up())
 
     # -- lifecycle ------------------------------------------------------------------------------
     def stop_accepting(self) -> None:
@@ -472,3 +504,7 @@ class AsyncEngine:
         if not self.is_accepting:
             reason = self.engine_loop.error or "the server is shutting down"
             raise EngineDeadError(f"engine is not accepting requests: {reason}")
+        if self.engine_loop.sleep_requested:
+            raise EngineSleepingError(
+                "the server is sleeping (POST /wake_up wakes it); retry later"
+            )

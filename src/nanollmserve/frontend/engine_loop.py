@@ -25,6 +25,12 @@ model and the KV tensor stay) and goes on with the requests that arrive next. Af
 permanent: the loop stops, unhealthy, failing what is left with `EngineDeadError`, and
 `nanollmserve serve` exits with status 1 so its supervisor restarts it.
 `NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1) makes those steps raise, to test this.
+
+Sleep mode (`sleep`, `wake_up`; docs/features/sleep-mode.md): a sleep command waits on this
+thread until no request is in the engine (with `abort`, it ends them first), then frees the
+KV pool (level 2: the weights too). From the command on, new requests end with
+EngineSleepingError (a 503) until `wake_up`. With `sleep_idle_seconds` the loop also sleeps
+by itself after that long with nothing to do, and then the next request wakes it and runs.
 """
 
 from __future__ import annotations
@@ -32,13 +38,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from nanollmserve.engine.engine_core import EngineCore, EngineStats
 from nanollmserve.engine.errors import EngineFatalError
 from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.errors import UserError
 from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.tokenizer import load_tokenizer
 from nanollmserve.outputs import OutputKind, RequestOutput
@@ -69,6 +78,10 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (`max_queue_len`); try again later."""
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine was put to sleep (`POST /sleep`); it serves again after `POST /wake_up`."""
+
+
 class EngineObserver(Protocol):
     """Called on the engine thread; must be quick and must not touch the engine."""
 
@@ -92,9 +105,12 @@ class ServingStats:
 
 
 class EngineLoop:
-    def __init__(self, build_engine: Callable[[], EngineCore]) -> None:
+    def __init__(
+        self, build_engine: Callable[[], EngineCore], sleep_idle_seconds: float | None = None
+    ) -> None:
         """Start the thread; it runs `build_engine()`. Returns once the engine is built, or
-        raises what building it raised (a bad --model, say)."""
+        raises what building it raised (a bad --model, say). `sleep_idle_seconds`: sleep
+        after that long with nothing to do (None: never by itself)."""
         self.observers: list[EngineObserver] = []
         self.num_requests_rejected = 0
         self.error: BaseException | None = None
@@ -109,6 +125,12 @@ class EngineLoop:
         self._num_failed_steps_in_a_row = 0
         self._fail_steps = _parse_fail_steps(os.environ.get(FAIL_STEPS_ENV, ""))
         self._built = threading.Event()
+        self.sleep_idle_seconds = sleep_idle_seconds
+        self.sleep_requested = False
+        """A sleep command came and no wake_up since: new requests are refused."""
+        self._pending_sleeps: list[tuple[int, Future]] = []  # engine thread only
+        self._slept_when_idle = False
+        self._last_active = time.monotonic()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(build_engine,), name="engine-loop", daemon=True
@@ -164,6 +186,32 @@ class EngineLoop:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.sleep_level is not None
+
+    def sleep(self, level: int, abort: bool) -> Future:
+        """Queue a sleep at `level` (EngineCore.sleep); the future is done once the engine
+        sleeps: when its requests have finished, or at once with `abort` (they end with
+        EngineSleepingError). New requests are refused from now on."""
+        done: Future = Future()
+        with self._cond:
+            if self._stopping or self.error is not None:
+                raise EngineDeadError("engine is not accepting requests: it has stopped")
+            self.sleep_requested = True
+            self._inbox.append(("sleep", (level, abort, done)))
+            self._cond.notify()
+        return done
+
+    def wake_up(self) -> Future:
+        """Queue a wake-up; the future is done once the engine can serve again."""
+        done: Future = Future()
+        with self._cond:
+            self.sleep_requested = False
+            self._inbox.append(("wake", done))
+            self._cond.notify()
+        return done
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is left and end the thread."""
         with self._cond:
@@ -194,7 +242,10 @@ class EngineLoop:
             while True:
                 with self._cond:
                     while not (self._inbox or self._stopping or self._has_work() or self.error):
-                        self._cond.wait()
+                        timeout = self._idle_sleep_timeout()
+                        if timeout is not None and timeout <= 0:
+                            break
+                        self._cond.wait(timeout)
                     commands, self._inbox = self._inbox, []
                     stopping = self._stopping
                 if self.error is not None:  # set by _on_engine_failure
@@ -210,6 +261,7 @@ class EngineLoop:
                         raise
                     except Exception as exc:
                         self._recover(exc)
+                self._settle_sleep()
                 self._stats = self._make_stats(self.engine.stats())
                 self._deliver()
         except BaseException as exc:  # the loop must report, never vanish
@@ -217,6 +269,8 @@ class EngineLoop:
             self.error = exc  # before failing the requests: they must see an unhealthy engine
             self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"), count_as="failed")
         finally:
+            for _, done in self._pending_sleeps:
+                done.set_exception(EngineDeadError("the engine stopped before it could sleep"))
             self._stats = self._make_stats(self._last_engine_stats())
             self.engine.shutdown()
 
@@ -231,14 +285,26 @@ class EngineLoop:
         return self.engine.has_unfinished_requests()
 
     def _apply(self, commands: list[tuple[str, object]]) -> None:
+        if commands:
+            self._last_active = time.monotonic()
         for kind, payload in commands:
             if kind == "add":
                 self._add(*payload)
+            elif kind == "sleep":
+                self._queue_sleep(*payload)
+            elif kind == "wake":
+                self._wake_up(payload)
             else:
                 self._abort(payload)
 
     def _add(self, stream: RequestStream, children, prompt_text, token_ids, params, kind):
         request_id = stream.request_id
+        if self._pending_sleeps or (self.is_sleeping and not self._slept_when_idle):
+            self._end(stream, EngineSleepingError("the server is sleeping; retry later"))
+            return
+        if self.is_sleeping:  # it slept by itself: the request wakes it and runs
+            logger.info("a request arrived: waking up")
+            self._wake_engine()
         try:  # a ParamError too if the id is already running (the driver checks)
             self.driver.add_request(request_id, prompt_text, token_ids, children, params, kind)
         except ValueError as exc:
@@ -253,6 +319,74 @@ class EngineLoop:
             self._counts["aborted"] += 1
             self._notify("on_request_finished", aborted.final_output)
             self._end(stream, aborted.output)
+
+    # -- sleep mode (the engine thread) ---------------------------------------------------------
+    def _queue_sleep(self, level: int, abort: bool, done: Future) -> None:
+        self._pending_sleeps.append((level, done))
+        if abort:
+            error = EngineSleepingError("aborted: the server is sleeping (mode=abort)")
+            self._fail_all(error, count_as="aborted", include_inbox=False)
+
+    def _wake_up(self, done: Future) -> None:
+        """Wake the engine; a sleep still waiting for requests to finish is called off."""
+        for _, pending in self._pending_sleeps:
+            pending.set_exception(EngineSleepingError("called off by a wake_up"))
+        self._pending_sleeps = []
+        try:
+            self._wake_engine()
+        except Exception as exc:
+            logger.exception("waking the engine failed")
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    def _wake_engine(self) -> None:
+        if self.is_sleeping:
+            started = time.perf_counter()
+            self.engine.wake_up()
+            logger.info("woke up in %.2f s", time.perf_counter() - started)
+        self._slept_when_idle = False
+        self._last_active = time.monotonic()
+
+    def _idle_sleep_timeout(self) -> float | None:
+        """Seconds until the loop sleeps by itself (<= 0: now), None if it will not."""
+        if self.sleep_idle_seconds is None or self.is_sleeping or self._pending_sleeps:
+            return None
+        return self._last_active + self.sleep_idle_seconds - time.monotonic()
+
+    def _settle_sleep(self) -> None:
+        """With no request in the engine: sleep as asked, or when idle long enough."""
+        if self._has_work():
+            self._last_active = time.monotonic()
+            return
+        if self._pending_sleeps:
+            pending, self._pending_sleeps = self._pending_sleeps, []
+            level = max(level for level, _ in pending)
+            try:
+                self._sleep_engine(level)
+            except Exception as exc:
+                for _, done in pending:
+                    done.set_exception(exc)
+            else:
+                for _, done in pending:
+                    done.set_result(None)
+            return
+        timeout = self._idle_sleep_timeout()
+        if timeout is not None and timeout <= 0:
+            level = 2
+            try:
+                self.engine.check_sleep(level)
+            except UserError:
+                level = 1
+            logger.info("idle for %.0f s: sleeping (level %d)", self.sleep_idle_seconds, level)
+            self._sleep_engine(level)
+            self._slept_when_idle = True
+
+    def _sleep_engine(self, level: int) -> None:
+        started = time.perf_counter()
+        self.engine.sleep(level)
+        self._slept_when_idle = False
+        logger.info("asleep (level %d) in %.2f s", level, time.perf_counter() - started)
 
     def _step(self) -> None:
         self._num_steps += 1

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from nanollmserve.errors import ParamError, UserError
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -12,12 +16,16 @@ def load_tokenizer(model_dir: str | Path):
     transformers import) where it gives the same results, else transformers' AutoTokenizer."""
     from nanollmserve.frontend.native_tokenizer import load_native_tokenizer
 
-    native = load_native_tokenizer(model_dir)
-    if native is not None:
-        return native
-    from transformers import AutoTokenizer
+    start = time.perf_counter()
+    tokenizer = load_native_tokenizer(model_dir)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    logger.info(
+        "loaded the tokenizer (%s) in %.1f s", type(tokenizer).__name__, time.perf_counter() - start
+    )
+    return tokenizer
 
 
 def load_chat_template(path: str | None) -> str | None:

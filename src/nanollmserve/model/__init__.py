@@ -13,21 +13,30 @@ From a `--model` value to a model ready to run:
 runner binds. The tokenizer and chat template load from `source.path` too.
 """
 
-from nanollmserve.model.device import resolve_device, resolve_dtype
-from nanollmserve.model.loader import build_model, count_parameters, load_model
-from nanollmserve.model.model_config import ModelConfig
-from nanollmserve.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
-from nanollmserve.model.source import ModelSource, resolve_model
+import importlib
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "ModelConfig",
-    "ModelSource",
-    "build_model",
-    "count_parameters",
-    "get_model_class",
-    "load_model",
-    "resolve_device",
-    "resolve_dtype",
-    "resolve_model",
-]
+_EXPORTS = {
+    "resolve_device": "device",
+    "resolve_dtype": "device",
+    "build_model": "loader",
+    "count_parameters": "loader",
+    "load_model": "loader",
+    "ModelConfig": "model_config",
+    "SUPPORTED_ARCHITECTURES": "registry",
+    "get_model_class": "registry",
+    "ModelSource": "source",
+    "resolve_model": "source",
+}
+"""Name -> the submodule defining it, imported when the name is first used: the torch-free
+submodules (the GGUF cache, `private_cache`, `source`) then load without torch, so `serve`
+starts the native build before torch imports (`cli/serve.py`)."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

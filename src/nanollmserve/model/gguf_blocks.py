@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nanollmserve.errors import UserError
+from nanollmserve.model.gguf_file import GGUFFile, GGUFTensor, read_gguf_file
 from nanollmserve.model.model_config import ModelConfig
 
 BLOCK_SIZE = 32
@@ -40,6 +42,10 @@ ROW_BYTES_PER_BLOCK = {KIND_Q4: 20, KIND_Q8: 34}
 TILE_OUTPUTS = 16
 """Outputs per tile of the kernels' weight layout (`BlockRows.tiled`)."""
 TILE_BLOCK_BYTES = {KIND_Q4: 320, KIND_Q8: 544}
+_STORED_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+"""Bytes of one block of 32 weights as the file stores it."""
+_GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+"""ggml type id -> name, for the block types the kernels run (`GGMLQuantizationType`)."""
 
 _LAYER_TENSORS = {
     "attn_q": ("self_attn.qkv_proj", 0),
@@ -118,77 +124,103 @@ class BlockRows:
 
 def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRows]:
     """Our weight name -> its block rows, for every linear weight stored as Q4_0 / Q4_1 / Q8_0
-    whose fused parts all are, of one kind (else the module stays dequantized)."""
-    from gguf import GGUFReader
+    whose fused parts all are, of one kind (else the module stays dequantized).
 
-    reader = GGUFReader(gguf_path)
-    architecture = _architecture(reader)
-    parts: dict[str, dict[int | None, BlockRows]] = {}
-    output: dict[str, BlockRows] = {}
-    for tensor in reader.tensors:
-        name, block_type = tensor.name, tensor.tensor_type.name
-        if block_type not in BLOCK_KINDS:
+    The file is memory-mapped (`gguf_file.py`) and each weight written once, straight from the
+    map into its fused output rows: no per-tensor Python objects beyond the table, no
+    concatenation afterwards."""
+    gguf = read_gguf_file(gguf_path)
+    permuted = gguf.architecture in _ROTARY_PERMUTED_ARCHITECTURES
+    parts: dict[str, dict[int | None, GGUFTensor]] = {}
+    for tensor in gguf.tensors.values():
+        pieces = tensor.name.split(".", 3)  # blk, layer, key, weight
+        if _block_type(tensor) is None or len(pieces) != 4 or pieces[0] != "blk":
             continue
-        if name in ("output.weight", "token_embd.weight"):
-            output[name] = _block_rows(np.asarray(tensor.data), block_type)
-            continue
-        if not name.startswith("blk.") or not name.endswith(".weight"):
-            continue
-        _, layer, key, _ = name.split(".")
-        if key not in _LAYER_TENSORS:
-            continue
-        module, shard = _LAYER_TENSORS[key]
-        blocks = _block_rows(np.asarray(tensor.data), block_type)
-        if architecture in _ROTARY_PERMUTED_ARCHITECTURES and key in ("attn_q", "attn_k"):
-            heads = config.num_heads if key == "attn_q" else config.num_kv_heads
-            blocks = _unpermute_rows(blocks, heads)
-        parts.setdefault(f"model.layers.{layer}.{module}.weight", {})[shard] = blocks
+        _, layer, key, suffix = pieces
+        if suffix == "weight" and key in _LAYER_TENSORS:
+            module, shard = _LAYER_TENSORS[key]
+            parts.setdefault(f"model.layers.{layer}.{module}.weight", {})[shard] = tensor
     weights = {}
     for name, shards in parts.items():
         expected = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-        kinds = {b.kind for b in shards.values()}
+        kinds = {BLOCK_KINDS[_block_type(t)] for t in shards.values()}
         if len(shards) != expected or len(kinds) != 1:
             continue
         ordered = [shards[i] for i in sorted(shards, key=lambda s: -1 if s is None else s)]
-        weights[name] = BlockRows(kinds.pop(), torch.cat([b.rows for b in ordered]))
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+        row_heads = [heads.get(t.name.split(".")[2]) if permuted else None for t in ordered]
+        weights[name] = _fused_block_rows(gguf, ordered, row_heads, kinds.pop())
     # A file without `output.weight` ties the output projection to the embedding table.
-    lm_head = output.get("output.weight") or (
-        output.get("token_embd.weight") if config.tie_word_embeddings else None
-    )
-    if lm_head is not None:
-        weights["lm_head.weight"] = lm_head
+    output_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    output = gguf.tensors.get(output_name)
+    tied_or_own = output_name == "output.weight" or config.tie_word_embeddings
+    if output is not None and tied_or_own and _block_type(output) is not None:
+        weights["lm_head.weight"] = _fused_block_rows(
+            gguf, [output], [None], BLOCK_KINDS[_block_type(output)]
+        )
     return weights
 
 
-def _architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+def _block_type(tensor: GGUFTensor) -> str | None:
+    """The tensor's GGUF block type name when it is one the kernels run, else None."""
+    name = _GGML_TYPE_NAMES.get(tensor.ggml_type)
+    return name if name in BLOCK_KINDS else None
+
+
+def _fused_block_rows(
+    gguf: GGUFFile, tensors: list[GGUFTensor], row_heads: list[int | None], kind: int
+) -> BlockRows:
+    """The tensors' block rows stacked along the outputs, each laid out from the map straight
+    into its slice of one array (`row_heads[i]`: undo llama.cpp's q/k interleave over that
+    many heads, None: keep the order)."""
+    in_features = tensors[0].shape[-1]
+    if any(t.shape[-1] != in_features or len(t.shape) != 2 for t in tensors):
+        raise UserError(f"GGUF tensors {[t.name for t in tensors]} do not fuse into one weight")
+    row_bytes = in_features // BLOCK_SIZE * ROW_BYTES_PER_BLOCK[kind]
+    out = np.empty((sum(t.shape[0] for t in tensors), row_bytes), dtype=np.uint8)
+    first = 0
+    for tensor, heads in zip(tensors, row_heads, strict=True):
+        raw = gguf.raw(tensor.name)
+        if heads is not None:
+            raw = raw[_unpermuted_order(raw.shape[0], heads)]
+        _lay_out(raw, _block_type(tensor), out[first : first + raw.shape[0]])
+        first += raw.shape[0]
+    return BlockRows(kind, torch.from_numpy(out))
 
 
 def _block_rows(raw: np.ndarray, block_type: str) -> BlockRows:
     """`raw`: uint8 [out, blocks * bytes per block] as stored in the file -> kernel rows."""
+    kind = BLOCK_KINDS[block_type]
+    blocks = raw.shape[1] // _STORED_BLOCK_BYTES[block_type]
+    out = np.empty((raw.shape[0], blocks * ROW_BYTES_PER_BLOCK[kind]), dtype=np.uint8)
+    _lay_out(raw, block_type, out)
+    return BlockRows(kind, torch.from_numpy(out))
+
+
+def _lay_out(raw: np.ndarray, block_type: str, out: np.ndarray) -> None:
+    """Write `raw` (uint8 [rows, blocks * bytes per block] as stored in the file) into `out`
+    (uint8 [rows, kernel row bytes]): each row's codes, then its `d`, then (4-bit) its `m`."""
     rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, _STORED_BLOCK_BYTES[block_type])
+    nb = blocks.shape[1]
+    code_bytes = blocks.shape[2] - (4 if block_type == "Q4_1" else 2)
+    codes = out[:, : nb * code_bytes].reshape(rows, nb, code_bytes)
+    d = out[:, nb * code_bytes : nb * (code_bytes + 2)].reshape(rows, nb, 2)
     if block_type == "Q8_0":
-        blocks = raw.reshape(rows, -1, 34)
-        laid_out = [blocks[..., 2:], blocks[..., 0:2]]  # codes, then d
-    elif block_type == "Q4_1":
-        blocks = raw.reshape(rows, -1, 20)
-        laid_out = [blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4]]  # codes, d, m
-    else:  # Q4_0: d * (q - 8) = d * q + m with m = -8 d (a power-of-two multiple: exact)
-        blocks = raw.reshape(rows, -1, 18)
-        d = blocks[..., 0:2].copy().view(np.float16)
-        m = (d.astype(np.float32) * -8.0).astype(np.float16).view(np.uint8)
-        laid_out = [blocks[..., 2:], blocks[..., 0:2], m]
-    row_bytes = np.concatenate([part.reshape(rows, -1) for part in laid_out], axis=1)
-    return BlockRows(BLOCK_KINDS[block_type], torch.from_numpy(np.ascontiguousarray(row_bytes)))
+        codes[...], d[...] = blocks[..., 2:], blocks[..., 0:2]
+        return
+    m = out[:, nb * (code_bytes + 2) :].reshape(rows, nb, 2)
+    if block_type == "Q4_1":
+        codes[...], d[...], m[...] = blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4]
+        return
+    # Q4_0: d * (q - 8) = d * q + m with m = -8 d (a power-of-two multiple: exact)
+    codes[...], d[...] = blocks[..., 2:], blocks[..., 0:2]
+    scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
+    m[...] = (scale.astype(np.float32) * -8.0).astype(np.float16).view(np.uint8)
 
 
-def _unpermute_rows(blocks: BlockRows, num_heads: int) -> BlockRows:
-    """Undo llama.cpp's per-head interleave of the rotary halves (rows only: blocks run along
-    the inputs, so a row permutation keeps every block whole)."""
-    rows = blocks.rows.shape[0]
+def _unpermuted_order(rows: int, num_heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's per-head interleave of the rotary halves (rows
+    only: blocks run along the inputs, so a row permutation keeps every block whole)."""
     half = rows // num_heads // 2
-    order = torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(rows)
-    return BlockRows(blocks.kind, blocks.rows[order].contiguous())
+    return np.arange(rows).reshape(num_heads, half, 2).transpose(0, 2, 1).reshape(rows)

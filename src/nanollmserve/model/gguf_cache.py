@@ -122,6 +122,11 @@ def cached_hf_dir(gguf_path: Path) -> tuple[Path, bool]:
     _remove_stale_tmp_dirs(root)
     if entry.exists():  # damaged by hand (renames only ever move complete entries in)
         shutil.rmtree(entry)
+    logger.info(
+        "first start with %s: converting it into the cache once (config and tokenizer, then "
+        "the weights the load runs)",
+        gguf_path.name,
+    )
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{entry.name}-", dir=root))
     try:

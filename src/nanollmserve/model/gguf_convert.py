@@ -4,13 +4,14 @@ Three conversions, each written once by `gguf_cache.py`:
 
 - `write_model_files`: config.json, generation_config.json and the tokenizer files (with the
   chat template), everything but the weights. The config is mapped from the header with
-  transformers' own GGUF key table and the tokenizer built by transformers' GGUF tokenizer
-  converter, in the class `AutoTokenizer` would pick; about 0.7 s for the bundled model.
+  transformers' own GGUF key table (no config class instantiated) and the tokenizer built by
+  transformers' GGUF tokenizer converter, in the class `AutoTokenizer` would pick; about
+  0.6 s for the bundled model, most of it importing transformers' tokenizer modules.
   (`AutoConfig`/`AutoTokenizer` with `gguf_file=` would each parse the file with the gguf
   package's reader first, 1.7 to 5 s apiece.)
 - `unblocked_tensors`: the tensors the GGUF block layers do not hold (embedding table, norms,
   attention biases, an output projection stored in another type), dequantized to float32
-  with the gguf package, under our parameter names. With the blocks they are the whole model
+  (`GGUFFile.dequantize`), under our parameter names. With the blocks they are the whole model
   (`loader.load_gguf_block_model`).
 - `write_dense_weights`: every tensor dequantized by transformers (`gguf_file=`) into
   model.safetensors, ~20 s for the bundled model; only what runs dense weights needs it
@@ -20,13 +21,16 @@ Three conversions, each written once by `gguf_cache.py`:
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
 
+from nanollmserve.errors import UserError
 from nanollmserve.model.gguf_file import GGUFFile, read_gguf_file
 from nanollmserve.model.model_config import ModelConfig
+from nanollmserve.model.registry import MODEL_TYPE_TO_ARCHITECTURE
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +48,27 @@ _ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
 def write_model_files(gguf_path: Path, out_dir: Path) -> None:
-    """config.json, generation_config.json and the tokenizer files of `gguf_path`."""
-    from transformers import AutoConfig, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """config.json, generation_config.json and the tokenizer files of `gguf_path`.
+
+    config.json holds what the file's header says, not the config class's defaults: whoever
+    reads it (`ModelConfig`, `AutoConfig`) applies those. Instantiating a transformers config
+    class here would import its modeling utilities (0.5 s of the first start)."""
+    from transformers import GenerationConfig
 
     gguf = read_gguf_file(gguf_path)
-    config = AutoConfig.for_model(**hf_config_dict(gguf))
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    config.dtype = torch.float32  # what the dequantized weights are
-    config.save_pretrained(out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    _tokenizer(gguf_path, config).save_pretrained(out_dir)
+    config = hf_config_dict(gguf)
+    model_type = config["model_type"]
+    if model_type not in MODEL_TYPE_TO_ARCHITECTURE:
+        raise UserError(f"unsupported GGUF architecture {model_type!r} in {gguf_path.name}")
+    config |= {"architectures": [MODEL_TYPE_TO_ARCHITECTURE[model_type]], "dtype": "float32"}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    GenerationConfig.from_model_config(dict(config)).save_pretrained(out_dir)
+    _tokenizer(gguf_path, model_type).save_pretrained(out_dir)
 
 
 def hf_config_dict(gguf: GGUFFile) -> dict:
     """The transformers config of a llama/mistral/qwen2/qwen3 GGUF: what transformers'
-    `load_gguf_checkpoint` maps its metadata to, from the same key table."""
+    `load_gguf_checkpoint` maps its metadata to, from the same key table (with `model_type`)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
@@ -82,17 +91,21 @@ def hf_config_dict(gguf: GGUFFile) -> dict:
     return config
 
 
-def _tokenizer(gguf_path: Path, config):
+def _tokenizer(gguf_path: Path, model_type: str):
     """The GGUF's tokenizer in the class `AutoTokenizer.from_pretrained(gguf_file=)` gives a
     file with no tokenizer files beside it (the model type's class, else TokenizersBackend)."""
     try:
         from transformers import TokenizersBackend
-        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+        from transformers.models.auto.tokenization_auto import (
+            TOKENIZER_MAPPING_NAMES,
+            tokenizer_class_from_name,
+        )
     except ImportError:  # transformers 4: its AutoTokenizer, parsing the file again
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    class_name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    tokenizer_class = (class_name and tokenizer_class_from_name(class_name)) or TokenizersBackend
     if tokenizer_class.__name__ == "MistralCommonBackend":  # needs files a GGUF does not have
         tokenizer_class = TokenizersBackend
     return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -19,6 +19,7 @@ import mmap
 import struct
 from collections.abc import Container
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from pathlib import Path
 
@@ -31,6 +32,7 @@ _SCALAR_FORMATS |= {10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -55,21 +57,31 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
+    @cached_property
+    def data(self) -> np.ndarray:
+        """The whole file, memory-mapped once, as a plain read-only uint8 array (a `np.memmap`
+        runs Python code on every view taken of it)."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes, uint8 `[rows, bytes a row]` (a view of the file)."""
         tensor = self.tensors[name]
-        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=tensor.offset,
-                         shape=(tensor.nbytes,))  # fmt: skip
         rows = prod(tensor.shape[:-1]) if len(tensor.shape) > 1 else 1
-        return data.reshape(rows, -1)
+        return self.data[tensor.offset : tensor.offset + tensor.nbytes].reshape(rows, -1)
 
     def dequantize(self, name: str) -> np.ndarray:
-        """The tensor as float32 in its torch shape (blocks decoded by the gguf package)."""
+        """The tensor as float32 in its torch shape (blocks decoded by the gguf package; Q8_0,
+        an embedding table's usual type, here in one pass with the package's arithmetic)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
-        values = dequantize(self.raw(name), GGMLQuantizationType(tensor.ggml_type))
+        if tensor.ggml_type == GGMLQuantizationType.Q8_0:
+            blocks = self.raw(name).reshape(-1, 34)
+            scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            values = blocks[:, 2:].view(np.int8) * scales  # float32, as `gguf.quants.Q8_0`
+        else:
+            values = dequantize(self.raw(name), GGMLQuantizationType(tensor.ggml_type))
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
         return values if values.flags.writeable else values.copy()  # F32: a view of the map
 
@@ -142,7 +154,8 @@ class _Reader:
             raise ValueError(f"metadata array of type {element_type}")
         if keep_strings:
             return [self.string() for _ in range(count)]
-        for _ in range(count):  # variable length: walk it
-            length = self.unpack("Q")
-            self.pos += length
+        pos, length_at = self.pos, _U64.unpack_from  # variable lengths: walk them (~100 000)
+        for _ in range(count):
+            pos += 8 + length_at(self.blob, pos)[0]
+        self.pos = pos
         return count

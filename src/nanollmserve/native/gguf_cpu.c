@@ -10,10 +10,10 @@
  *    the vector lanes. (llama.cpp quantizes activations to int8: on the bundled model that
  *    moved the next-token distribution 45x further from float32, KL 0.046 against 0.0010.)
  *
- * 2. `nls_decode_step`: the whole forward pass of a Llama-family decoder for T consecutive
- *    tokens of one sequence (a single-stream decode step: T = 1; a speculative verify step:
- *    the last token and its drafts; a short prefill chunk), from token ids to logits, in one
- *    call and one OpenMP parallel region: RMSNorm, fused q/k/v, rotary embedding, the K/V
+ * 2. `nls_decode_step`: the whole forward pass of a Llama-family decoder for the T tokens of
+ *    a step of one or several sequences (one decode token per sequence; a speculative verify
+ *    step: the last token and its drafts; a short prefill chunk), from token ids to logits, in
+ *    one call and one OpenMP parallel region: RMSNorm, fused q/k/v, rotary embedding, the K/V
  *    write into the paged cache, causal attention over the sequence's blocks, the output
  *    projection, the gated MLP, the final norm and the output projection to the vocabulary.
  *    The T rows go through each matrix together (a tile's weights decoded once for all of
@@ -371,7 +371,15 @@ static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int
  * tiles shared among the threads of the enclosing parallel region (an orphaned work-sharing
  * loop; it ends in a barrier). `acc`: this thread's room for 32 floats a row. */
 static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
-                          const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
+                          const float *dx, const float *sx, int64_t rows, float *acc, float *y, uint8_t *amx_work) {
+#if NLS_HAS_AMX
+    if (amx_work != NULL && rows >= AMX_MIN_ROWS) {
+        nls_amx_matmul_shared(kind, w, out, in, xq, dx, sx, rows, NULL, y, amx_work);
+        return;
+    }
+#else
+    (void)amx_work;
+#endif
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -510,6 +518,15 @@ static int64_t thread_scratch_bytes(const nls_model *m, int64_t num_tokens) {
     return round_up_64(floats * (int64_t)sizeof(float));
 }
 
+/* The AMX kernel's room (its split activations and weight tiles) when the step's rows use it. */
+static int64_t amx_scratch_bytes(int64_t widest, int64_t num_tokens, int num_threads) {
+#if NLS_HAS_AMX
+    if (num_tokens >= AMX_MIN_ROWS) return 64 + round_up_64(nls_amx_workspace_bytes(widest, num_tokens, num_threads));
+#endif
+    (void)widest, (void)num_tokens, (void)num_threads;
+    return 0;
+}
+
 /* Bytes of scratch memory `nls_decode_step` needs for `num_tokens` tokens on `num_threads`
  * threads (0 for a count it cannot run). */
 int64_t nls_decode_scratch_bytes(const nls_model *m, int64_t num_tokens, int num_threads) {
@@ -525,7 +542,7 @@ int64_t nls_decode_scratch_bytes(const nls_model *m, int64_t num_tokens, int num
                                 + m->hidden                     /* projection output */
                                 + 2 * (widest / QK));           /* activation block scales and sums */
     return 64 + round_up_64(floats * (int64_t)sizeof(float) + T * widest * (int64_t)sizeof(int16_t)) +
-           (int64_t)num_threads * thread_scratch_bytes(m, T);
+           (int64_t)num_threads * thread_scratch_bytes(m, T) + amx_scratch_bytes(widest, T, num_threads);
 }
 
 /* RMSNorm of row t of x[T, n] into out, then its int16 blocks into row t of the quantized
@@ -536,28 +553,67 @@ static void norm_and_quantize(const float *x, const float *weight, int64_t t, in
     quantize_row(out + t * n, n, xq + t * n, dx + t * (n / QK), sx + t * (n / QK));
 }
 
-/* The forward pass of `num_tokens` consecutive tokens `tokens` of a sequence, the first at
- * `position`, whose K/V live in the blocks `block_table` (the new tokens' K/V are written at
- * their positions; token i attends to positions <= position + i; the table has at least
- * (position + num_tokens - 1) / block_size + 1 entries), -> `out`: for tokens
- * [first_logits, num_tokens), one row each, the logits [vocab] or, with no lm_head, the final
- * normed hidden state [hidden] (first_logits = num_tokens: nothing, the K/V only).
+/* Where a step's time goes, when asked (`nls_decode_profile`): the calling thread's wall time
+ * between the step's barriers, summed per phase over steps. Off, it costs a branch a phase. */
+enum { PHASE_OTHER, PHASE_QKV, PHASE_ROPE_KV, PHASE_ATTENTION, PHASE_O, PHASE_GATE_UP, PHASE_DOWN, PHASE_LM_HEAD, NLS_PHASES };
+static double phase_seconds[NLS_PHASES];
+static int profiling;
+
+#define PHASE(k)                                            \
+    do {                                                    \
+        if (profiling) {                                    \
+            _Pragma("omp master") {                         \
+                const double now_ = omp_get_wtime();        \
+                phase_seconds[k] += now_ - mark;            \
+                mark = now_;                                \
+            }                                               \
+        }                                                   \
+    } while (0)
+
+/* Turns the per-phase timing of nls_decode_step on (enable != 0) or off, copies the seconds
+ * summed since the last call into `seconds` ([NLS_PHASES] in the enum's order, or NULL) and
+ * resets them. One engine thread calls the step, so the sums need no lock. */
+void nls_decode_profile(int enable, double *seconds) {
+    for (int k = 0; k < NLS_PHASES; k++) {
+        if (seconds) seconds[k] = phase_seconds[k];
+        phase_seconds[k] = 0.0;
+    }
+    profiling = enable != 0;
+}
+
+/* The forward pass of one step's `num_tokens` tokens, from one or several sequences: token t
+ * is `tokens[t]` at position `positions[t]` of sequence `seq_of_token[t]`, whose K/V live in
+ * the blocks of row seq_of_token[t] of `block_tables` ([num_seqs, table_width]). Every
+ * token's K/V is written at its position first; then token t attends to its sequence's
+ * positions <= positions[t] (earlier steps' keys and this step's). A sequence's tokens in one
+ * step are a single-stream decode step (one token), a speculative verify step (the last token
+ * and its drafts) or a short prefill chunk; a batched decode step is one token from each of
+ * several sequences. -> `out`: one row for each of the `num_logits` tokens `logit_rows[r]`,
+ * the logits [vocab] or, with no lm_head, the final normed hidden state [hidden].
  * `scratch`: nls_decode_scratch_bytes(m, num_tokens, num_threads) bytes. Returns 0, or before
- * touching anything NLS_BAD_SHAPE (a count, first_logits or scratch it cannot run),
- * NLS_BAD_POSITION (a position not in [0, max_context)), NLS_BAD_TOKEN (not in [0, vocab)) or
- * NLS_BAD_BLOCK (a block id the tokens use is not in [0, num_blocks)). */
-int nls_decode_step(const nls_model *m, const int64_t *tokens, int64_t num_tokens, int64_t position,
-                    const int64_t *block_table, int64_t first_logits, void *scratch, int64_t scratch_bytes,
-                    float *out, int num_threads) {
+ * touching anything NLS_BAD_SHAPE (a count, a sequence index, a logit row or scratch it cannot
+ * run), NLS_BAD_POSITION (a position not in [0, max_context) or beyond the table),
+ * NLS_BAD_TOKEN (not in [0, vocab)) or NLS_BAD_BLOCK (a block id a token uses is not in
+ * [0, num_blocks)). */
+int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *positions,
+                    const int64_t *seq_of_token, int64_t num_tokens, const int64_t *block_tables,
+                    int64_t num_seqs, int64_t table_width, const int64_t *logit_rows, int64_t num_logits,
+                    void *scratch, int64_t scratch_bytes, float *out, int num_threads) {
     const int64_t T = num_tokens;
-    if (T < 1 || first_logits < 0 || first_logits > T || num_threads < 1 || scratch == NULL ||
-        scratch_bytes < nls_decode_scratch_bytes(m, T, num_threads))
+    if (T < 1 || num_seqs < 1 || table_width < 1 || num_logits < 0 || num_logits > T || num_threads < 1 ||
+        scratch == NULL || scratch_bytes < nls_decode_scratch_bytes(m, T, num_threads))
         return NLS_BAD_SHAPE;
-    if (position < 0 || position + T > m->max_context) return NLS_BAD_POSITION;
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t r = 0; r < num_logits; r++)
+        if (logit_rows[r] < 0 || logit_rows[r] >= T) return NLS_BAD_SHAPE;
+    for (int64_t t = 0; t < T; t++) {
+        if (seq_of_token[t] < 0 || seq_of_token[t] >= num_seqs) return NLS_BAD_SHAPE;
+        if (positions[t] < 0 || positions[t] >= m->max_context || positions[t] / m->block_size >= table_width)
+            return NLS_BAD_POSITION;
         if (tokens[t] < 0 || tokens[t] >= m->vocab) return NLS_BAD_TOKEN;
-    for (int64_t b = 0; b <= (position + T - 1) / m->block_size; b++)
-        if (block_table[b] < 0 || block_table[b] >= m->num_blocks) return NLS_BAD_BLOCK;
+        const int64_t *table = block_tables + seq_of_token[t] * table_width;
+        for (int64_t b = 0; b <= positions[t] / m->block_size; b++)
+            if (table[b] < 0 || table[b] >= m->num_blocks) return NLS_BAD_BLOCK;
+    }
     const int H = m->hidden, I = m->intermediate, hd = m->head_dim;
     const int nh = m->num_heads, kvh = m->num_kv_heads, q_size = nh * hd, kv_size = kvh * hd;
     const int qkv_size = q_size + 2 * kv_size, group = nh / kvh;
@@ -568,8 +624,11 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, int64_t num_token
     float *dx = proj + T * H, *sx = dx + T * (widest / QK);
     int16_t *xq = (int16_t *)(sx + T * (widest / QK));
     uint8_t *per_thread = (uint8_t *)h + round_up_64((int64_t)((uint8_t *)(xq + T * widest) - (uint8_t *)h));
-    const int64_t outputs = T - first_logits;
+    uint8_t *amx = amx_scratch_bytes(widest, T, num_threads)
+                       ? per_thread + (int64_t)num_threads * thread_scratch_bytes(m, T)
+                       : NULL;
 
+    double mark = profiling ? omp_get_wtime() : 0.0;
     for (int64_t t = 0; t < T; t++) memcpy(h + t * H, m->embed + tokens[t] * H, sizeof(float) * (size_t)H);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -579,11 +638,14 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, int64_t num_token
             const nls_layer *L = &m->layers[l];
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) norm_and_quantize(h, L->input_norm, t, H, m->eps, xn, xq, dx, sx);
-            matmul_shared(L->qkv_kind, L->qkv, qkv_size, H, xq, dx, sx, T, acc, qkv);
+            PHASE(PHASE_OTHER);
+            matmul_shared(L->qkv_kind, L->qkv, qkv_size, H, xq, dx, sx, T, acc, qkv, amx);
+            PHASE(PHASE_QKV);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *q = qkv + t * qkv_size, *k = q + q_size, *v = k + kv_size;
-                const float *cos_sin = m->rope + (position + t) * hd;
+                const int64_t p = positions[t];
+                const float *cos_sin = m->rope + p * hd;
                 if (L->qkv_bias)
                     for (int i = 0; i < qkv_size; i++) q[i] += L->qkv_bias[i];
                 for (int head = 0; head < nh + kvh; head++) {
@@ -592,24 +654,29 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, int64_t num_token
                     if (norm) rms_norm(x, norm, hd, m->eps, x);
                     rope_head(x, cos_sin, hd);
                 }
-                const int64_t p = position + t;
-                const int64_t slot = block_table[p / m->block_size] * m->block_size + p % m->block_size;
+                const int64_t *table = block_tables + seq_of_token[t] * table_width;
+                const int64_t slot = table[p / m->block_size] * m->block_size + p % m->block_size;
                 memcpy(L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
                 memcpy(L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
             }
-            /* every token's K/V is in the cache (the loop's barrier): token t sees keys <= its own */
-#pragma omp for schedule(static)
+            PHASE(PHASE_ROPE_KV);
+            /* every token's K/V is in the cache (the loop's barrier): token t sees keys <= its own;
+             * the items' lengths differ between sequences, hence dynamic */
+#pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < T * kvh; item++) {
                 const int64_t t = item / kvh;
                 const int g = (int)(item % kvh);
                 nls_attend_group(qkv + t * qkv_size + (int64_t)g * group * hd, L->k_cache, L->v_cache, kvh, g,
-                                 group, hd, m->block_size, m->attn_scale, block_table, position + t + 1, scores,
-                                 attn + t * q_size + (int64_t)g * group * hd);
+                                 group, hd, m->block_size, m->attn_scale, block_tables + seq_of_token[t] * table_width,
+                                 positions[t] + 1, scores, attn + t * q_size + (int64_t)g * group * hd);
             }
+            PHASE(PHASE_ATTENTION);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 quantize_row(attn + t * q_size, q_size, xq + t * q_size, dx + t * (q_size / QK), sx + t * (q_size / QK));
-            matmul_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, T, acc, proj);
+            PHASE(PHASE_OTHER);
+            matmul_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, T, acc, proj, amx);
+            PHASE(PHASE_O);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 float *ht = h + t * H;
@@ -617,26 +684,32 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, int64_t num_token
                 for (int i = 0; i < H; i++) ht[i] += pt[i] + (L->o_bias ? L->o_bias[i] : 0.0f);
                 norm_and_quantize(h, L->post_norm, t, H, m->eps, xn, xq, dx, sx);
             }
-            matmul_shared(L->gate_up_kind, L->gate_up, 2 * (int64_t)I, H, xq, dx, sx, T, acc, gate_up);
+            PHASE(PHASE_OTHER);
+            matmul_shared(L->gate_up_kind, L->gate_up, 2 * (int64_t)I, H, xq, dx, sx, T, acc, gate_up, amx);
+            PHASE(PHASE_GATE_UP);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
                 silu_and_mul(gate_up + t * 2 * I, I, act + t * I);
                 quantize_row(act + t * I, I, xq + t * I, dx + t * (I / QK), sx + t * (I / QK));
             }
-            matmul_shared(L->down_kind, L->down, H, I, xq, dx, sx, T, acc, proj);
+            PHASE(PHASE_OTHER);
+            matmul_shared(L->down_kind, L->down, H, I, xq, dx, sx, T, acc, proj, amx);
+            PHASE(PHASE_DOWN);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i];
         }
         /* the final norm of the rows that give logits, as rows 0.. of xn and xq */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < outputs; r++) {
+        for (int64_t r = 0; r < num_logits; r++) {
             float *row = m->lm_head_kind ? xn : out;
-            rms_norm(h + (first_logits + r) * H, m->final_norm, H, m->eps, row + r * H);
+            rms_norm(h + logit_rows[r] * H, m->final_norm, H, m->eps, row + r * H);
             if (m->lm_head_kind) quantize_row(xn + r * H, H, xq + r * H, dx + r * (H / QK), sx + r * (H / QK));
         }
-        if (m->lm_head_kind && outputs > 0)
-            matmul_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, outputs, acc, out);
+        PHASE(PHASE_OTHER);
+        if (m->lm_head_kind && num_logits > 0)
+            matmul_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, num_logits, acc, out, amx);
+        PHASE(PHASE_LM_HEAD); /* after the product's barrier */
     }
     return 0;
 }
@@ -660,7 +733,7 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
     const nls_abi_entry entries[] = {
         ABI_CONSTANT(QK), ABI_CONSTANT(TILE), ABI_CONSTANT(KIND_Q4), ABI_CONSTANT(KIND_Q8),
         {"TILE_BLOCK_BYTES_Q4", tile_block_bytes(KIND_Q4)}, {"TILE_BLOCK_BYTES_Q8", tile_block_bytes(KIND_Q8)},
-        ABI_CONSTANT(MAX_HEAD_DIM),
+        ABI_CONSTANT(MAX_HEAD_DIM), ABI_CONSTANT(NLS_PHASES),
         ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),
         ABI_CONSTANT(NLS_BAD_BLOCK), ABI_CONSTANT(NLS_BAD_SHAPE),
         {"sizeof(nls_layer)", (int64_t)sizeof(nls_layer)},

@@ -30,6 +30,9 @@ from nanollmserve.native.build import NativeUnavailable, kernels_unavailable_rea
 
 MAX_HEAD_DIM = 256
 """The largest head size the attention kernels hold in their accumulators."""
+DECODE_PHASES = ("other", "qkv", "rope_kv_write", "attention", "o", "gate_up", "down", "lm_head")
+"""The parts of a native step `decode_profile` times, in the C enum's order: "other" is the
+norms, activation quantization, residual adds and SiLU between the products."""
 NLS_NO_MEMORY = -1
 NLS_BAD_POSITION = -2
 NLS_BAD_TOKEN = -3
@@ -318,12 +321,16 @@ def filtered_draw(
 # ------------------------------------------------------------------------ decode step --
 
 _signature("nls_decode_scratch_bytes", [_ptr, _i64, _int], _i64)
-_signature("nls_decode_step", [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int], _int)
+_signature(
+    "nls_decode_step",
+    [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _int],
+    _int,
+)
 _DECODE_REFUSALS = {
     NLS_BAD_POSITION: "position out of range",
     NLS_BAD_TOKEN: "token id outside the vocabulary",
     NLS_BAD_BLOCK: "block id outside the KV pool",
-    NLS_BAD_SHAPE: "a token count, first_logits or scratch it cannot run",
+    NLS_BAD_SHAPE: "a token count, sequence index, logit row or scratch it cannot run",
 }
 DECODE_WORKSPACE = Workspace()
 
@@ -339,45 +346,75 @@ def _check_model(op: str, model: object) -> ctypes.Structure:
 def decode_step(
     model: ctypes.Structure,
     tokens: torch.Tensor,
-    position: int,
-    block_table: torch.Tensor,
-    first_logits: int,
+    positions: torch.Tensor,
+    seq_of_token: torch.Tensor,
+    block_tables: torch.Tensor,
+    logit_rows: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
     """The whole model (`nls_decode_step`, the `_Model` structure of
-    `engine/native_decode.py`) over `tokens` (int64 [T]), consecutive tokens of one sequence
-    from `position`: writes their K/V in the blocks of `block_table` (int64, reaching
-    position + T - 1) and, for tokens [first_logits, T), one row each of logits (or, without
-    a native lm_head, the final normed hidden state) into `out` (float32, contiguous). The
-    step's scratch memory is `DECODE_WORKSPACE`'s."""
-    op = f"native decode step (at {position})"
+    `engine/native_decode.py`) over one step's `tokens` (int64 [T]) of one or several
+    sequences: token t at `positions[t]` of sequence `seq_of_token[t]` (int64 [T]), whose
+    blocks are row seq_of_token[t] of `block_tables` (int64 [seqs, width], reaching each
+    token's position); writes their K/V there and, for each token in `logit_rows` (int64 [R]),
+    one row of logits (or, without a native lm_head, the final normed hidden state) into
+    `out` (float32, contiguous). The step's scratch memory is `DECODE_WORKSPACE`'s."""
+    op = "native decode step"
     _check_model(op, model)
-    _check_tensor(op, "tokens", tokens, torch.int64, 1)
-    _check_tensor(op, "block_table", block_table, torch.int64, 1)
+    for name, tensor, dims in (
+        ("tokens", tokens, 1),
+        ("positions", positions, 1),
+        ("seq_of_token", seq_of_token, 1),
+        ("block_tables", block_tables, 2),
+        ("logit_rows", logit_rows, 1),
+    ):
+        _check_tensor(op, name, tensor, torch.int64, dims)
     _check_tensor(op, "out", out, torch.float32, None)
-    count = tokens.shape[0]
-    if count == 0 or not 0 <= first_logits <= count:
-        raise ValueError(f"{op}: {count} tokens, first_logits {first_logits}: nothing to run")
-    if not 0 <= position <= model.max_context - count:
-        raise ValueError(f"{op}: position outside [0, {model.max_context - count}]")
-    if block_table.shape[0] <= (position + count - 1) // model.block_size:
-        raise ValueError(f"{op}: a block table of {block_table.shape[0]} blocks does not reach it")
-    width = model.vocab if model.lm_head_kind else model.hidden
-    if out.numel() != (count - first_logits) * width or not out.is_contiguous():
+    count, rows = tokens.shape[0], logit_rows.shape[0]
+    if count == 0 or positions.shape[0] != count or seq_of_token.shape[0] != count:
+        raise ValueError(f"{op}: {count} tokens need one position and sequence each")
+    num_seqs, width = block_tables.shape
+    if num_seqs == 0 or width == 0:
+        raise ValueError(f"{op}: an empty block table {list(block_tables.shape)}")
+    if rows and not 0 <= int(logit_rows.min()) <= int(logit_rows.max()) < count:
+        raise ValueError(f"{op}: logit rows outside the {count} tokens")
+    if not 0 <= int(seq_of_token.min()) <= int(seq_of_token.max()) < num_seqs:
+        raise ValueError(f"{op}: a sequence index outside the {num_seqs} block tables")
+    if not 0 <= int(positions.min()) <= int(positions.max()) < model.max_context:
+        raise ValueError(f"{op}: a position outside [0, {model.max_context})")
+    if int(positions.max()) // model.block_size >= width:
+        raise ValueError(f"{op}: block tables of {width} blocks do not reach every position")
+    width_out = model.vocab if model.lm_head_kind else model.hidden
+    if out.numel() != rows * width_out or not out.is_contiguous():
         raise ValueError(
-            f"{op}: out {list(out.shape)} is not {count - first_logits} contiguous rows of {width}"
+            f"{op}: out {list(out.shape)} is not {rows} contiguous rows of {width_out}"
         )
+    tokens, positions, seq_of_token, block_tables, logit_rows = (
+        t.contiguous() for t in (tokens, positions, seq_of_token, block_tables, logit_rows)
+    )
     library = _library()
     threads = torch.get_num_threads()
     scratch = DECODE_WORKSPACE.get(
         library.nls_decode_scratch_bytes(ctypes.byref(model), count, threads)
     )
     status = library.nls_decode_step(
-        ctypes.byref(model), tokens.contiguous().data_ptr(), count, position,
-        block_table.contiguous().data_ptr(), first_logits, scratch.data_ptr(), scratch.numel(),
-        out.data_ptr(), threads,
+        ctypes.byref(model), tokens.data_ptr(), positions.data_ptr(), seq_of_token.data_ptr(),
+        count, block_tables.data_ptr(), num_seqs, width, logit_rows.data_ptr(), rows,
+        scratch.data_ptr(), scratch.numel(), out.data_ptr(), threads,
     )  # fmt: skip
     _raise_for(status, op, _DECODE_REFUSALS)
+
+
+_signature("nls_decode_profile", [_int, _ptr], None)
+
+
+def decode_profile(enable: bool) -> dict[str, float]:
+    """Seconds each part of the native steps took since the last call (`DECODE_PHASES`; the
+    engine thread's wall time between the step's barriers, all zero while off), reset; the
+    timing is on from now when `enable`. Off, a phase costs one branch."""
+    seconds = (ctypes.c_double * len(DECODE_PHASES))()
+    _library().nls_decode_profile(int(enable), ctypes.addressof(seconds))
+    return dict(zip(DECODE_PHASES, seconds, strict=True))
 
 
 # ------------------------------------------------------------------ binding and the ABI --
@@ -407,6 +444,7 @@ def expected_abi() -> dict[str, int]:
         "TILE_BLOCK_BYTES_Q4": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q4],
         "TILE_BLOCK_BYTES_Q8": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q8],
         "MAX_HEAD_DIM": MAX_HEAD_DIM,
+        "NLS_PHASES": len(DECODE_PHASES),
         **{name: globals()[name] for name in _STATUS_NAMES},
     }
     for c_name, structure in (("nls_layer", _Layer), ("nls_model", _Model)):

@@ -9,7 +9,8 @@ the proxy to the worker the policy picks (`/v1/*`, `/generate`, `/batch_generate
 `/v1/messages/count_tokens`, the paths without `/v1`, the playground page). The health
 checker runs for the app's lifetime; the first round of checks ends before it serves.
 A body over `max_request_bytes` answers 413 before it is read whole (`body_limit.py`, the
-workers' own cap); with an API key, it is checked first (`auth.py`).
+workers' own cap); with an API key, it is checked first (`auth.py`). With a tracer, each
+forwarded generation request is a span (`nanollmserve.tracing`), the parent of the worker's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class RouterSettings:
     """Largest request body forwarded (413 beyond), the workers' own default."""
     metrics_require_auth: bool = False
     """With an api_key, /metrics needs it too; by default scrapers read /metrics freely."""
+    tracer: object | None = None
+    """`--otlp-traces-endpoint`: the `nanollmserve.tracing.spans.Tracer` that gives each
+    forwarded generation request a span, the parent of the worker's; None: tracing off."""
 
 
 def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) -> FastAPI:
@@ -136,6 +140,10 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
             pinned = await app.state.locator.find(previous, headers)
         return await app.state.proxy.forward(request, body, key, pinned=pinned)
 
+    if settings.tracer is not None:  # innermost: only requests auth and the cap let through
+        from nanollmserve.tracing.asgi import TracingMiddleware, route_name
+
+        app.add_middleware(TracingMiddleware, tracer=settings.tracer, span_name=route_name)
     # Outermost last: auth runs before the body is read, then the size cap.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, too_large=_too_large)
     if settings.api_key:

@@ -13,6 +13,9 @@
 - The worker gets exactly the path the router authorized, ASGI's `scope["path"]` (re-quoted)
   and query string: `request.url` is rebuilt from the Host header in some Starlette versions,
   where `Host: x/v1/completions?` once turned an open path into another one.
+- With tracing on (`--otlp-traces-endpoint`), each attempt is a CLIENT span under the
+  router's span of the request, and its context replaces the client's `traceparent` in
+  what the worker gets, so the worker's span joins the same trace below it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from nanollmserve.router.errors import error_response, stream_error_event
 from nanollmserve.router.metrics import RouterMetrics
 from nanollmserve.router.workers import Worker, WorkerPool
+from nanollmserve.tracing.context import current_request_span
 
 HOP_BY_HOP = frozenset(
     {
@@ -134,9 +138,9 @@ class Proxy:
     async def _attempt(self, worker: Worker, request: Request, body: bytes, gone) -> object:
         """A Response for the client, or a Failure that another worker may retry."""
         url = f"{worker.url}{forwarded_path(request)}"
-        upstream = self.client.build_request(
-            request.method, url, headers=self.upstream_headers(request), content=body
-        )
+        headers = self.upstream_headers(request)
+        span = _attempt_span(worker, request, url, headers)
+        upstream = self.client.build_request(request.method, url, headers=headers, content=body)
         worker.num_in_flight += 1
         worker.num_routed += 1
         self.metrics.requests.labels(worker.url).inc()
@@ -146,6 +150,8 @@ class Proxy:
         try:
             response = await _unless_gone(self.client.send(upstream, stream=True), gone)
             self.metrics.upstream_latency.labels(worker.url).observe(time.perf_counter() - start)
+            if span is not None:
+                span.set_http_status(response.status_code)
             headers = response_headers(response)
             if response.status_code in RETRY_STATUSES:
                 content = await _unless_gone(response.aread(), gone)
@@ -153,7 +159,7 @@ class Proxy:
                 return Failure(f"{worker.url} answered {response.status_code}", answer)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 handed_over = True
-                relay = self._relay(worker, response, request.scope["path"])
+                relay = self._relay(worker, response, request.scope["path"], span)
                 return StreamingResponse(relay, response.status_code, headers=headers)
             content = await _unless_gone(response.aread(), gone)
             return Response(content, response.status_code, headers=headers)
@@ -162,15 +168,19 @@ class Proxy:
         except httpx.TransportError as exc:
             reason = f"{worker.url}: {type(exc).__name__}"
             worker.mark_down(f"a request failed ({type(exc).__name__})")
+            if span is not None:
+                span.fail(exc)
             return Failure(reason)
         finally:
             if not handed_over:
                 worker.num_in_flight -= 1
                 if response is not None:
                     await _close(response)
+                if span is not None:
+                    span.end()
 
     async def _relay(
-        self, worker: Worker, response: httpx.Response, path: str
+        self, worker: Worker, response: httpx.Response, path: str, span=None
     ) -> AsyncIterator[bytes]:
         """The worker's stream as it comes; cancelled (and the upstream closed) when the
         client goes away; an error event if the worker fails mid-stream."""
@@ -183,12 +193,31 @@ class Proxy:
             worker.num_failed += 1
             self.metrics.failures.labels(worker.url).inc()
             worker.mark_down(f"a stream was cut ({type(exc).__name__})")
+            if span is not None:
+                span.fail(exc)
             separator = b"" if tail in (b"", b"\n\n") else b"\n\n"
             message = f"the worker failed during the stream ({type(exc).__name__})"
             yield separator + stream_error_event(path, message, "worker_failed")
         finally:
             worker.num_in_flight -= 1
             await _close(response)
+            if span is not None:
+                span.end()
+
+
+def _attempt_span(worker: Worker, request: Request, url: str, headers: dict[str, str]):
+    """The CLIENT span of one attempt, its context put in `headers` for the worker; None
+    with tracing off."""
+    parent = current_request_span()
+    if parent is None:
+        return None
+    span = parent.child(
+        f"{request.method} {request.scope['path']}",
+        attributes={"url.full": url, "nanollmserve.router.worker": worker.url},
+    )
+    parent.set_attributes({"nanollmserve.router.worker": worker.url})
+    span.inject(headers)
+    return span
 
 
 def forwarded_path(request: Request) -> str:

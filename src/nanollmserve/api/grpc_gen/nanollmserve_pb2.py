@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,nanollmserve/api/grpc_gen/nanollmserve.proto\x12\x0fnanollmserve.v1\"\xe8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12>\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\".nanollmserve.v1.StructuredOutputs\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\n\x88\x01\x01\x12\x15\n\x08priority\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_cache_saltB\x0b\n\t_priority\"\xb4\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.nanollmserve.v1.ChatMessage\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.nanollmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\xc8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x08 \x01(\x01\"\xaa\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\"Z\n\x14\x42\x61tchGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x31\n\x08sampling\x18\x02 \x01(\x0b\x32\x1f.nanollmserve.v1.SamplingParams\"_\n\x15\x42\x61tchGenerateResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.nanollmserve.v1.GenerateResponse\x12\x12\n\nlatency_ms\x18\x02 \x01(\x01\"\x0f\n\rHealthRequest\"\x84\x01\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x32\xe7\x02\n\nGeneration\x12O\n\x08Generate\x12 .nanollmserve.v1.GenerateRequest\x1a!.nanollmserve.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12 .nanollmserve.v1.GenerateRequest\x1a\'.nanollmserve.v1.GenerateStreamResponse0\x01\x12^\n\rBatchGenerate\x12%.nanollmserve.v1.BatchGenerateRequest\x1a&.nanollmserve.v1.BatchGenerateResponse\x12I\n\x06Health\x12\x1e.nanollmserve.v1.HealthRequest\x1a\x1f.nanollmserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,nanollmserve/api/grpc_gen/nanollmserve.proto\x12\x0fnanollmserve.v1\"\x9a\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12>\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\".nanollmserve.v1.StructuredOutputs\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\n\x88\x01\x01\x12\x15\n\x08priority\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_cache_saltB\x0b\n\t_priorityB\x12\n\x10_prompt_logprobs\"\xb4\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb2\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.nanollmserve.v1.ChatMessage\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.nanollmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x18\n\x10return_token_ids\x18\x05 \x01(\x08\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"F\n\x13PromptTokenLogprobs\x12/\n\x08logprobs\x18\x01 \x03(\x0b\x32\x1d.nanollmserve.v1.TokenLogprob\"\xcf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x08 \x01(\x01\x12\x19\n\x11reasoning_content\x18\t \x01(\t\x12\x18\n\x10prompt_token_ids\x18\n \x03(\r\x12\x11\n\ttoken_ids\x18\x0b \x03(\r\x12=\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32$.nanollmserve.v1.PromptTokenLogprobs\"\x9e\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x12\n\nlatency_ms\x18\x07 \x01(\x01\x12\x19\n\x11reasoning_content\x18\x08 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12=\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32$.nanollmserve.v1.PromptTokenLogprobs\"Z\n\x14\x42\x61tchGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\x31\n\x08sampling\x18\x02 \x01(\x0b\x32\x1f.nanollmserve.v1.SamplingParams\"_\n\x15\x42\x61tchGenerateResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.nanollmserve.v1.GenerateResponse\x12\x12\n\nlatency_ms\x18\x02 \x01(\x01\"\x0f\n\rHealthRequest\"\x84\x01\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x32\xe7\x02\n\nGeneration\x12O\n\x08Generate\x12 .nanollmserve.v1.GenerateRequest\x1a!.nanollmserve.v1.GenerateResponse\x12]\n\x0eGenerateStream\x12 .nanollmserve.v1.GenerateRequest\x1a\'.nanollmserve.v1.GenerateStreamResponse0\x01\x12^\n\rBatchGenerate\x12%.nanollmserve.v1.BatchGenerateRequest\x1a&.nanollmserve.v1.BatchGenerateResponse\x12I\n\x06Health\x12\x1e.nanollmserve.v1.HealthRequest\x1a\x1f.nanollmserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanollmserve.api.grpc_gen.n
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=66
-  _globals['_SAMPLINGPARAMS']._serialized_end=682
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=685
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=865
-  _globals['_CHATMESSAGE']._serialized_start=867
-  _globals['_CHATMESSAGE']._serialized_end=911
-  _globals['_GENERATEREQUEST']._serialized_start=914
-  _globals['_GENERATEREQUEST']._serialized_end=1066
-  _globals['_GENERATERESPONSE']._serialized_start=1069
-  _globals['_GENERATERESPONSE']._serialized_end=1269
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1272
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1442
-  _globals['_BATCHGENERATEREQUEST']._serialized_start=1444
-  _globals['_BATCHGENERATEREQUEST']._serialized_end=1534
-  _globals['_BATCHGENERATERESPONSE']._serialized_start=1536
-  _globals['_BATCHGENERATERESPONSE']._serialized_end=1631
-  _globals['_HEALTHREQUEST']._serialized_start=1633
-  _globals['_HEALTHREQUEST']._serialized_end=1648
-  _globals['_HEALTHRESPONSE']._serialized_start=1651
-  _globals['_HEALTHRESPONSE']._serialized_end=1783
-  _globals['_GENERATION']._serialized_start=1786
-  _globals['_GENERATION']._serialized_end=2145
+  _globals['_SAMPLINGPARAMS']._serialized_end=732
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=735
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=915
+  _globals['_CHATMESSAGE']._serialized_start=917
+  _globals['_CHATMESSAGE']._serialized_end=961
+  _globals['_GENERATEREQUEST']._serialized_start=964
+  _globals['_GENERATEREQUEST']._serialized_end=1142
+  _globals['_TOKENLOGPROB']._serialized_start=1144
+  _globals['_TOKENLOGPROB']._serialized_end=1230
+  _globals['_PROMPTTOKENLOGPROBS']._serialized_start=1232
+  _globals['_PROMPTTOKENLOGPROBS']._serialized_end=1302
+  _globals['_GENERATERESPONSE']._serialized_start=1305
+  _globals['_GENERATERESPONSE']._serialized_end=1640
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1643
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1929
+  _globals['_BATCHGENERATEREQUEST']._serialized_start=1931
+  _globals['_BATCHGENERATEREQUEST']._serialized_end=2021
+  _globals['_BATCHGENERATERESPONSE']._serialized_start=2023
+  _globals['_BATCHGENERATERESPONSE']._serialized_end=2118
+  _globals['_HEALTHREQUEST']._serialized_start=2120
+  _globals['_HEALTHREQUEST']._serialized_end=2135
+  _globals['_HEALTHRESPONSE']._serialized_start=2138
+  _globals['_HEALTHRESPONSE']._serialized_end=2270
+  _globals['_GENERATION']._serialized_start=2273
+  _globals['_GENERATION']._serialized_end=2632
 # @@protoc_insertion_point(module_scope)

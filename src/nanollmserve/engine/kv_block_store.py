@@ -1,0 +1,175 @@
+"""A directory of serialized KV blocks (`kv_block_format.py`), one file per block, bounded in
+bytes and evicted least recently used first.
+
+A block's file is `DIR/<first two hex digits>/<hex name>.kvb`, the name being the block's
+hash. Writes run on one writer thread fed by a queue bounded in bytes (`put`): a file is
+written under a temporary name and renamed into place, so a reader never sees half a file
+from this process, and when the queue is full the block is dropped rather than the engine
+kept waiting. Reads (`read`) run on the caller's thread and mark the file recently used
+(its mtime too, so the order survives a restart). At start the directory is scanned: the
+files it holds count against `max_bytes`, oldest mtime first to go. Nothing here parses a
+block: the caller verifies what it reads and `discard`s a file that fails (a corrupt or
+truncated file is deleted, never loaded).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from nanollmserve.engine.kv_block_format import KVBlockHeader, serialize_block
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+MAX_PENDING_BYTES = 256 << 20
+"""K/V copies waiting for the writer thread, at most: past that, new blocks are dropped."""
+STALE_TEMP_SECONDS = 3600.0
+"""A temporary file older than this was left by a process that died mid-write."""
+
+
+class KVBlockStore:
+    def __init__(self, directory: str | Path, max_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, int] = OrderedDict()
+        """Name -> file size, least recently used first."""
+        self._bytes = 0
+        self._pending: set[str] = set()
+        self._pending_bytes = 0
+        self._queue: queue.Queue = queue.Queue()
+        self.num_written = 0
+        self.num_dropped = 0
+        """Blocks not written because the writer was MAX_PENDING_BYTES behind."""
+        self._scan()
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kv-offload-writer", daemon=True
+        )
+        self._writer.start()
+
+    @property
+    def num_files(self) -> int:
+        return len(self._files)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    def path(self, name: str) -> Path:
+        return self.directory / name[:2] / f"{name}{SUFFIX}"
+
+    def contains(self, name: str) -> bool:
+        """On disk now (a block still being written is not)."""
+        return name in self._files
+
+    def reserve(self, name: str, num_bytes: int) -> bool:
+        """Claim the right to `put` a block: False when it is stored or pending already, is
+        larger than the whole store, or the writer is too far behind (then it counts as
+        dropped). Call before copying the block's K/V out of the pool."""
+        with self._lock:
+            if name in self._files or name in self._pending or num_bytes > self.max_bytes:
+                return False
+            if self._pending_bytes + num_bytes > MAX_PENDING_BYTES:
+                self.num_dropped += 1
+                return False
+            self._pending.add(name)
+            self._pending_bytes += num_bytes
+            return True
+
+    def put(self, name: str, header: KVBlockHeader, kv: torch.Tensor) -> None:
+        """Queue a reserved block for the writer thread (`kv`: a CPU copy it may keep)."""
+        self._queue.put((name, header, kv))
+
+    def read(self, name: str) -> bytearray | None:
+        """The file's bytes (None if it is gone), marking it the most recently used."""
+        path = self.path(name)
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                num_read = f.readinto(data)
+            os.utime(path)
+        except OSError:
+            self._forget(name)
+            return None
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+        return data if num_read == len(data) else data[:num_read]
+
+    def discard(self, name: str) -> None:
+        """Delete a file the caller found corrupt or foreign: it is never read again."""
+        self._forget(name)
+        self.path(name).unlink(missing_ok=True)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Write what is queued (up to `timeout` seconds), then stop the writer thread."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            size = self._files.pop(name, None)
+            if size is not None:
+                self._bytes -= size
+
+    def _scan(self) -> None:
+        found = []
+        now = time.time()
+        for path in self.directory.glob("??/*"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            if path.suffix == SUFFIX:
+                found.append((stat.st_mtime, path.stem, stat.st_size))
+            elif now - stat.st_mtime > STALE_TEMP_SECONDS:
+                path.unlink(missing_ok=True)
+        for _, name, size in sorted(found):
+            self._files[name] = size
+            self._bytes += size
+        self._evict()
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            name, header, kv = item
+            size = 0
+            try:
+                size = self._write(name, header, kv)
+            except Exception:  # noqa: BLE001 (a full disk must not stop the engine)
+                logger.warning("could not write KV block %s", name, exc_info=True)
+            with self._lock:
+                self._pending.discard(name)
+                self._pending_bytes -= kv.numel() * kv.element_size()
+                if size:
+                    self._files[name] = size
+                    self._bytes += size
+                    self.num_written += 1
+                    self._evict()
+
+    def _write(self, name: str, header: KVBlockHeader, kv: torch.Tensor) -> int:
+        path = self.path(name)
+        path.parent.mkdir(exist_ok=True)
+        temp = path.with_name(f"{name}.{os.getpid()}.tmp")
+        size = 0
+        with open(temp, "wb") as f:
+            for buffer in serialize_block(header, kv):
+                size += f.write(buffer)
+        os.replace(temp, path)
+        return size
+
+    def _evict(self) -> None:
+        """Delete least recently used files until the store fits `max_bytes` (lock held)."""
+        while self._bytes > self.max_bytes and self._files:
+            name, size = self._files.popitem(last=False)
+            self._bytes -= size
+            self.path(name).unlink(missing_ok=True)
