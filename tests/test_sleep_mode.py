@@ -58,9 +58,13 @@ def server():
     live.stop()
 
 
-def greedy(server, prompt: str = PROMPT, max_tokens: int = 16) -> str:
+def greedy(server, prompt: str = PROMPT, max_tokens: int = 16, ignore_eos: bool = False) -> str:
     reply = server.openai().completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True} if ignore_eos else None,
     )
     return reply.choices[0].text
 
@@ -155,17 +159,18 @@ def test_sleep_level_2_drops_the_weights_and_wake_up_reloads_them(server):
 
 @pytest.mark.timeout(300)
 def test_sleep_waits_for_the_running_request_then_refuses_new_ones(server):
-    before = greedy(server, max_tokens=48)
+    # Long enough (1000 tokens) to be seen running by a stats poll however fast the machine.
+    before = greedy(server, max_tokens=1000, ignore_eos=True)
     results: dict = {}
 
     def run_long():
-        results["text"] = greedy(server, max_tokens=48)
+        results["text"] = greedy(server, max_tokens=1000, ignore_eos=True)
 
     runner = threading.Thread(target=run_long)
     runner.start()
-    poll(lambda: server.stats()["num_requests_running"] == 1, 30, "the request to run")
+    poll(lambda: server.stats()["num_requests_running"] == 1, 30, "the request to run", 0.02)
     answer = post(server, "/sleep", level="1")  # returns once the request has finished
-    runner.join(60)
+    runner.join(120)
     assert answer.status_code == 200, answer.text
     assert results["text"] == before  # it ran to its end, untouched
     assert is_sleeping(server)

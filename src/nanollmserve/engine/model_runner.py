@@ -91,14 +91,12 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         first = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, block_size)
-        self.kv_cache = zeroed_tensor((*shape, first.num_kv_heads, first.head_dim), dtype, device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
-        # A step of decode tokens, verify steps and short prefill chunks, of one request or
-        # several, runs as one native call when the model allows it (`_native_spans`).
-        self.native_decode = NativeDecodeStep.for_model(model, num_blocks * block_size)
+        self._kv_shape = (
+            2, len(self.attention_layers), num_blocks, block_size, first.num_kv_heads,
+            first.head_dim,
+        )  # fmt: skip
+        self.native_decode: NativeDecodeStep | None = None
+        self._allocate_kv_cache()
         self.native_steps: Counter[str] = Counter()
         """Steps run by `native_decode`, by kind: decode, verify, prefill."""
         self.sampler = Sampler(seed=seed, device=device)
@@ -386,11 +384,22 @@ class ModelRunner:
     def kv_cache_released(self) -> bool:
         return self.kv_cache is None
 
+    def _allocate_kv_cache(self) -> None:
+        """A zeroed KV pool bound to the layers (views of its K and V planes), and the native
+        step built on its addresses: a step of decode tokens, verify spans and short prefill
+        chunks, of one request or several, runs as one native call when the model allows it
+        (`_native_spans`)."""
+        self.kv_cache = zeroed_tensor(self._kv_shape, self.dtype, self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        num_blocks, block_size = self._kv_shape[2:4]
+        self.native_decode = NativeDecodeStep.for_model(self.model, num_blocks * block_size)
+
     def release_kv_cache(self) -> None:
         """Free the KV pool: drop every view of it (the layers' K/V planes, the native step,
         which holds raw pointers into it), so its memory map is unmapped and the process's
         RSS falls by what was committed of it. Its contents are lost."""
-        self._released_kv_shape = tuple(self.kv_cache.shape)
         self.native_decode = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -401,13 +410,7 @@ class ModelRunner:
     def reallocate_kv_cache(self) -> None:
         """A fresh zeroed KV pool of the released one's shape, bound to the layers again, and
         the native step rebuilt on its new addresses."""
-        shape = self._released_kv_shape
-        self.kv_cache = zeroed_tensor(shape, self.dtype, self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
-        num_blocks, block_size = shape[2], shape[3]
-        self.native_decode = NativeDecodeStep.for_model(self.model, num_blocks * block_size)
+        self._allocate_kv_cache()
 
 
 def _parse_fail_seed(value: str) -> int | None:

@@ -1,0 +1,250 @@
+"""The playground's Timeline tab (m24) in a real browser: Playwright drives Debian's Chromium
+(as tests/test_playground_browser.py does) against a live server started with
+`--enable-debug-endpoints` and a KV pool of 12 blocks, so that concurrent requests preempt.
+
+What is drawn is read from `window.timelineModel`, the page's summary of its canvas: six
+concurrent requests show a preemption (and hovering its cell shows that step's record, the
+screenshot of docs/features/flight-recorder.md, written to $PLAYGROUND_SCREENSHOTS when set);
+a repeated prompt shows a prefix hit; while 32 requests stream, a requestAnimationFrame loop
+never waits long for a frame and the timeline keeps redrawing. Without the flag the tab says
+how to turn it on; with a wrong key it asks for the key; behind a router with several workers
+it says to open a worker's page instead.
+
+Run by `make test-integration`; without Chromium or Playwright the tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from apt_binary import apt_binary, python_module
+from live_server import API_KEY, LiveServer, shared_server
+from test_playground_browser import CHROMIUM_ARGS, DESKTOP, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.milestone("m24")]
+
+KEY = "timeline-key"
+MODEL = "SmolLM2-135M-Instruct"
+NUM_KV_BLOCKS = 12  # 192 tokens: six requests of ~45 + 48 tokens cannot all fit at once
+REPEATED = "one two three four five six seven eight nine ten " * 4
+MAX_FRAME_GAP_MS = 500  # generous: a frame is due every ~17 ms
+
+
+@pytest.fixture(scope="module")
+def server():
+    live = LiveServer.start(
+        "--enable-debug-endpoints", "--num-kv-blocks", str(NUM_KV_BLOCKS), api_key=KEY
+    )
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = apt_binary("chromium")
+    python_module("playwright")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def open_page(browser, server):
+    """open_page(url, key) -> a page on `url` with `key` entered; fails the test on a CSP
+    violation or a script error."""
+    contexts, problems = [], []
+
+    def open_page(url: str = server.url, key: str = KEY):
+        context = browser.new_context(viewport=DESKTOP)
+        contexts.append(context)
+        page = context.new_page()
+        page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+        page.on(
+            "console",
+            lambda msg: problems.append(msg.text) if "Content Security Policy" in msg.text else 0,
+        )
+        page.goto(f"{url}/")
+        page.fill("#api-key", key)
+        page.press("#api-key", "Tab")
+        return page
+
+    yield open_page
+    for context in contexts:
+        context.close()
+    assert not problems, problems
+
+
+def model(page) -> dict:
+    return page.evaluate("() => window.timelineModel")
+
+
+def show_timeline(page, status: str = "live") -> dict:
+    page.click("#tab-timeline")
+    assert page.locator("#pane-timeline").is_visible() and page.locator("#pane-chat").is_hidden()
+    return wait_until(lambda: (m := model(page))["status"] == status and m, 60, status)
+
+
+def complete(server, prompt: str, max_tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body["ignore_eos"] = True
+    with server.client(timeout=280) as client:
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def num_steps(server) -> int:
+    """Steps the engine has run (the record's engine line)."""
+    with server.client() as client:
+        response = client.get("/debug/steps", params={"since": 2**63 - 1})
+    return response.json()["num_steps"]
+
+
+def test_the_timeline_shows_a_preemption_and_its_record_on_hover(open_page, server, tmp_path):
+    page = open_page()
+    show_timeline(page)
+    # Distinct first tokens: no shared prefix blocks, so the six really need 6 x 6 blocks.
+    prompts = [f"Story {i}: {REPEATED}" for i in range(6)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda prompt: complete(server, prompt, 48), prompts))
+    request_ids = {reply["id"] + "-0" for reply in replies}
+    last_step = num_steps(server) - 1
+    shown = wait_until(
+        lambda: (m := model(page))["lastStep"] >= last_step and m, 60, "the last step drawn"
+    )
+    preemptions = [p for p in shown["preemptions"] if p["request_id"] in request_ids]
+    assert preemptions and {p["reason"] for p in preemptions} == {"kv_cache_full"}, shown
+    assert shown["cells"]["preempted"] >= len(preemptions)
+    assert request_ids <= set(shown["rows"])
+    assert shown["numKvBlocks"] == NUM_KV_BLOCKS and shown["maxKvUsed"] > NUM_KV_BLOCKS // 2
+    assert shown["draws"] > 0
+
+    preemption = preemptions[0]
+    center = page.evaluate(
+        "([step, id]) => timelineCellCenter(step, id)",
+        [preemption["step"], preemption["request_id"]],
+    )
+    box = page.locator("#timeline-canvas").bounding_box()
+    page.mouse.move(box["x"] + center["x"], box["y"] + center["y"])
+    detail = page.locator("#timeline-detail")
+    head = f"step {preemption['step']} · {preemption['request_id']}: preempted"
+    wait_until(lambda: detail.inner_text().startswith(head), 30, "the hovered step's record")
+    text = detail.inner_text()
+    assert '"preemptions"' in text and '"kv_cache_full"' in text and '"duration_ms"' in text
+
+    out = Path(os.environ.get("PLAYGROUND_SCREENSHOTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(out / "timeline-preemption.png"))
+    assert (out / "timeline-preemption.png").stat().st_size > 10_000
+
+
+def test_the_timeline_shows_a_prefix_hit_when_a_prompt_repeats(open_page, server):
+    page = open_page()
+    show_timeline(page)
+    prompt = f"A repeated prompt: {REPEATED}"
+    first = complete(server, prompt, 2)["id"] + "-0"
+    second = complete(server, prompt, 2)["id"] + "-0"
+    hits = wait_until(
+        lambda: [h for h in model(page)["prefixHits"] if h["request_id"] == second],
+        60,
+        "a prefix hit of the repeated prompt",
+    )
+    assert hits[0]["blocks"] >= 1
+    shown = model(page)
+    assert not [h for h in shown["prefixHits"] if h["request_id"] == first]
+    assert {first, second} <= set(shown["rows"])
+
+
+FRAME_PROBE = """() => {
+  const probe = { frames: 0, maxGapMs: 0, last: performance.now(), running: true };
+  window.frameProbe = probe;
+  const tick = (now) => {
+    probe.maxGapMs = Math.max(probe.maxGapMs, now - probe.last);
+    probe.last = now;
+    probe.frames += 1;
+    if (probe.running) requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+}"""
+
+
+@pytest.mark.timeout(600)
+def test_the_page_stays_responsive_while_32_requests_stream(open_page, server):
+    page = open_page()
+    before = show_timeline(page)
+    page.evaluate(FRAME_PROBE)
+    stream_ids = []
+
+    def stream(i: int) -> None:
+        client = server.openai(strict=False)
+        chunks = client.completions.create(
+            model=MODEL,
+            prompt=f"Request {i} counts:",
+            max_tokens=16,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in chunks:
+            stream_ids.append(chunk.id + "-0")
+
+    def load() -> None:
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(stream, range(32)))
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    draws_seen = {before["draws"]}
+    while loader.is_alive():
+        draws_seen.add(model(page)["draws"])
+        time.sleep(0.2)
+    loader.join()
+    probe = page.evaluate("() => { window.frameProbe.running = false; return window.frameProbe; }")
+    assert probe["frames"] > 10, probe
+    assert probe["maxGapMs"] < MAX_FRAME_GAP_MS, probe
+    # The timeline redrew while they streamed, and in the end shows all 32.
+    assert len(draws_seen) >= 3, draws_seen
+    wanted = set(stream_ids)
+    assert len(wanted) == 32
+    wait_until(lambda: wanted <= set(model(page)["rows"]), 60, "a row for each of the 32")
+
+
+def test_without_debug_endpoints_the_tab_says_how_to_turn_them_on(open_page):
+    shared = shared_server()  # started without --enable-debug-endpoints
+    page = open_page(shared.url, API_KEY)
+    shown = show_timeline(page, "off")
+    assert "404" in shown["message"] and "--enable-debug-endpoints" in shown["message"]
+    notice = page.locator("#timeline-notice")
+    assert notice.is_visible() and "--enable-debug-endpoints" in notice.inner_text()
+
+
+def test_a_wrong_key_asks_for_the_key(open_page):
+    page = open_page(key="wrong-key")
+    shown = show_timeline(page, "needs-key")
+    assert "401" in shown["message"] and "API key" in shown["message"]
+    page.fill("#api-key", KEY)  # the next poll uses the new key
+    wait_until(lambda: model(page)["status"] == "live", 60, "the timeline to go live")
+    assert page.locator("#timeline-notice").is_hidden()
+
+
+def test_behind_a_router_with_several_workers_it_says_to_open_a_worker(open_page, server):
+    page = open_page()
+
+    def as_router(route):
+        """The worker's /stats with two workers listed, as the router's /stats has."""
+        response = route.fetch()
+        stats = response.json()
+        worker = {"url": server.url, "is_healthy": True, "num_in_flight": 0, "num_routed": 0}
+        stats["workers"] = [worker, {**worker, "url": "http://127.0.0.1:1"}]
+        route.fulfill(response=response, json=stats)
+
+    page.route("**/stats", as_router)
+    shown = show_timeline(page, "router")
+    assert "2 workers" in shown["message"] and "--enable-debug-endpoints" in shown["message"]
