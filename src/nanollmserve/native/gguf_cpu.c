@@ -373,7 +373,7 @@ static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int
 static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y, uint8_t *amx_work) {
 #if NLS_HAS_AMX
-    if (amx_work != NULL && rows >= AMX_MIN_ROWS) {
+    if (amx_work != NULL && rows >= AMX_STEP_MIN_ROWS) {
         nls_amx_matmul_shared(kind, w, out, in, xq, dx, sx, rows, NULL, y, amx_work);
         return;
     }
@@ -521,7 +521,7 @@ static int64_t thread_scratch_bytes(const nls_model *m, int64_t num_tokens) {
 /* The AMX kernel's room (its split activations and weight tiles) when the step's rows use it. */
 static int64_t amx_scratch_bytes(int64_t widest, int64_t num_tokens, int num_threads) {
 #if NLS_HAS_AMX
-    if (num_tokens >= AMX_MIN_ROWS) return 64 + round_up_64(nls_amx_workspace_bytes(widest, num_tokens, num_threads));
+    if (num_tokens >= AMX_STEP_MIN_ROWS) return 64 + round_up_64(nls_amx_workspace_bytes(widest, num_tokens, num_threads));
 #endif
     (void)widest, (void)num_tokens, (void)num_threads;
     return 0;
