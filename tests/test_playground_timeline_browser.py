@@ -5,17 +5,21 @@
 What is drawn is read from `window.timelineModel`, the page's summary of its canvas: six
 concurrent requests show a preemption (and hovering its cell shows that step's record, the
 screenshot of docs/features/flight-recorder.md, written to $PLAYGROUND_SCREENSHOTS when set);
-a repeated prompt shows a prefix hit; while 32 requests stream, a requestAnimationFrame loop
-never waits long for a frame and the timeline keeps redrawing. Without the flag the tab says
-how to turn it on; with a wrong key it asks for the key; behind a router with several workers
-it says to open a worker's page instead.
+a repeated prompt shows a prefix hit; a gRPC request gets its row, speculative drafts and
+grammar masks are counted (a second server, with ngram speculation); while 32 requests stream,
+a requestAnimationFrame loop never waits long for a frame and the timeline keeps redrawing.
+Without the flag the tab says how to turn it on; with a wrong key it asks for the key; behind
+a router with several workers it says to open a worker's page instead.
 
 Run by `make test-integration`; without Chromium or Playwright the tests skip, saying why.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +27,10 @@ from pathlib import Path
 
 import pytest
 from apt_binary import apt_binary, python_module
-from live_server import API_KEY, LiveServer, shared_server
+from live_server import API_KEY, LiveServer, free_port, shared_server
 from test_playground_browser import CHROMIUM_ARGS, DESKTOP, wait_until
+
+from nanollmserve.api.grpc_client import connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.milestone("m24")]
 
@@ -33,12 +39,30 @@ MODEL = "SmolLM2-135M-Instruct"
 NUM_KV_BLOCKS = 12  # 192 tokens: six requests of ~45 + 48 tokens cannot all fit at once
 REPEATED = "one two three four five six seven eight nine ten " * 4
 MAX_FRAME_GAP_MS = 500  # generous: a frame is due every ~17 ms
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")
 def server():
+    grpc_port = free_port()
     live = LiveServer.start(
-        "--enable-debug-endpoints", "--num-kv-blocks", str(NUM_KV_BLOCKS), api_key=KEY
+        "--enable-debug-endpoints",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--grpc-port",
+        str(grpc_port),
+        api_key=KEY,
+    )
+    live.grpc_target = f"127.0.0.1:{grpc_port}"
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    """Speculative decoding (ngram) on; structured output is always available."""
+    live = LiveServer.start(
+        "--enable-debug-endpoints", "--speculative-config", json.dumps(SPEC), api_key=KEY
     )
     yield live
     live.stop()
@@ -101,6 +125,11 @@ def complete(server, prompt: str, max_tokens: int) -> dict:
     return response.json()
 
 
+def response_id(request_id: str) -> str:
+    """The API response's id of an engine request id (`cmpl-X`, or `cmpl-X-0` for a choice)."""
+    return re.sub(r"-\d+$", "", request_id)
+
+
 def num_steps(server) -> int:
     """Steps the engine has run (the record's engine line)."""
     with server.client() as client:
@@ -115,15 +144,15 @@ def test_the_timeline_shows_a_preemption_and_its_record_on_hover(open_page, serv
     prompts = [f"Story {i}: {REPEATED}" for i in range(6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(lambda prompt: complete(server, prompt, 48), prompts))
-    request_ids = {reply["id"] + "-0" for reply in replies}
+    reply_ids = {reply["id"] for reply in replies}
     last_step = num_steps(server) - 1
     shown = wait_until(
         lambda: (m := model(page))["lastStep"] >= last_step and m, 60, "the last step drawn"
     )
-    preemptions = [p for p in shown["preemptions"] if p["request_id"] in request_ids]
+    preemptions = [p for p in shown["preemptions"] if response_id(p["request_id"]) in reply_ids]
     assert preemptions and {p["reason"] for p in preemptions} == {"kv_cache_full"}, shown
     assert shown["cells"]["preempted"] >= len(preemptions)
-    assert request_ids <= set(shown["rows"])
+    assert reply_ids <= {response_id(row) for row in shown["rows"]}
     assert shown["numKvBlocks"] == NUM_KV_BLOCKS and shown["maxKvUsed"] > NUM_KV_BLOCKS // 2
     assert shown["draws"] > 0
 
@@ -150,17 +179,52 @@ def test_the_timeline_shows_a_prefix_hit_when_a_prompt_repeats(open_page, server
     page = open_page()
     show_timeline(page)
     prompt = f"A repeated prompt: {REPEATED}"
-    first = complete(server, prompt, 2)["id"] + "-0"
-    second = complete(server, prompt, 2)["id"] + "-0"
+    first = complete(server, prompt, 2)["id"]
+    second = complete(server, prompt, 2)["id"]
     hits = wait_until(
-        lambda: [h for h in model(page)["prefixHits"] if h["request_id"] == second],
+        lambda: [h for h in model(page)["prefixHits"] if response_id(h["request_id"]) == second],
         60,
         "a prefix hit of the repeated prompt",
     )
     assert hits[0]["blocks"] >= 1
     shown = model(page)
-    assert not [h for h in shown["prefixHits"] if h["request_id"] == first]
-    assert {first, second} <= set(shown["rows"])
+    assert not [h for h in shown["prefixHits"] if response_id(h["request_id"]) == first]
+    assert {first, second} <= {response_id(row) for row in shown["rows"]}
+
+
+def test_grpc_requests_show_as_rows(open_page, server):
+    page = open_page()
+    show_timeline(page)
+
+    async def generate():
+        async with await connect(server.grpc_target, api_key=KEY) as client:
+            return await client.generate("Once upon a time", max_tokens=4, temperature=0)
+
+    # In a thread: Playwright's sync API keeps an event loop running in this one.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, generate()).result(timeout=120)
+    rows = wait_until(
+        lambda: [row for row in model(page)["rows"] if row.startswith("grpc-")],
+        60,
+        "a row for the gRPC request",
+    )
+    assert len(rows) == 1, rows
+
+
+def test_speculative_drafts_and_grammar_masks_are_shown(open_page, spec_server):
+    page = open_page(spec_server.url)
+    show_timeline(page)
+    complete(spec_server, REPEATED, 24)  # repeats itself: the ngram proposer drafts
+    with spec_server.client() as client:
+        body = {"model": MODEL, "prompt": "Is the sky blue?", "max_tokens": 4}
+        body["structured_outputs"] = {"choice": ["yes", "no"]}
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    shown = wait_until(
+        lambda: (m := model(page))["grammarMasks"] > 0 and m, 60, "a grammar-masked step"
+    )
+    assert shown["drafts"]["proposed"] > 0 and shown["drafts"]["accepted"] > 0, shown["drafts"]
+    assert shown["cells"]["decode"] > 0 and not shown["preemptions"]
 
 
 FRAME_PROBE = """() => {
@@ -193,7 +257,7 @@ def test_the_page_stays_responsive_while_32_requests_stream(open_page, server):
             extra_body={"ignore_eos": True},
         )
         for chunk in chunks:
-            stream_ids.append(chunk.id + "-0")
+            stream_ids.append(chunk.id)
 
     def load() -> None:
         with ThreadPoolExecutor(32) as pool:
@@ -213,7 +277,11 @@ def test_the_page_stays_responsive_while_32_requests_stream(open_page, server):
     assert len(draws_seen) >= 3, draws_seen
     wanted = set(stream_ids)
     assert len(wanted) == 32
-    wait_until(lambda: wanted <= set(model(page)["rows"]), 60, "a row for each of the 32")
+    wait_until(
+        lambda: wanted <= {response_id(row) for row in model(page)["rows"]},
+        60,
+        "a row for each of the 32",
+    )
 
 
 def test_without_debug_endpoints_the_tab_says_how_to_turn_them_on(open_page):

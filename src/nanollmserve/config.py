@@ -44,6 +44,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's total memory this engine may use (0 < F <= 1); the KV cache gets
     what is left after the weights. CUDA only (on CPU, --kv-cache-memory sizes the cache)."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype) | int8 | fp8_e4m3 | fp8_e5m2 (fp8 = fp8_e4m3): K and V stored
+    as 8-bit codes with a float32 scale per token and KV head, about 3.8x the tokens of a
+    float32 cache in the same memory (int8 runs the native decode step; fp8 the PyTorch
+    attention). Not with tensor parallelism or --kv-offload-dir."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
     kv_offload_dir: str | None = None
@@ -146,7 +151,28 @@ class EngineConfig:
             raise UserError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        self._check_kv_cache_dtype()
         self._check_kv_offload()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """A name it knows; what a quantized cache does not run with."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise UserError(
+                f"kv_cache_dtype must be {' | '.join(KV_CACHE_DTYPE_NAMES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "auto":
+            return
+        if self.tensor_parallel_size > 1:
+            raise UserError(
+                f"kv_cache_dtype {self.kv_cache_dtype} is not supported with tensor "
+                "parallelism (the other ranks' pools are in the model dtype): use auto"
+            )
+        if self.kv_offload_dir is not None:
+            raise UserError(
+                f"kv_cache_dtype {self.kv_cache_dtype} is not supported with kv_offload_dir "
+                "(the offloaded block format has no scales): use auto"
+            )
 
     def _check_kv_offload(self) -> None:
         """What --kv-offload-dir needs: the prefix cache it extends, one rank."""
@@ -185,6 +211,8 @@ class EngineConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's names (`layers/kv_quant.py` maps them to dtypes)."""
 MAX_STEP_RECORD = 1 << 20
 """The most steps `step_record` may keep."""
 

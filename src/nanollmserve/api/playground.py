@@ -1,8 +1,10 @@
 """The web playground: `GET /` serves a chat page, `/static/app.js` and `/static/app.css` its
-script and style (plain files under `api/static/`, no build step, nothing from a CDN).
+script and style, `/static/timeline.js` its Timeline tab (drawn from `/debug/steps`); plain
+files under `api/static/`, no build step, nothing from a CDN.
 
-The page holds no data, so these three paths are open even with `--api-key` (auth.py
-OPEN_PATHS); the page asks for the key and sends it on its own API calls. Every response
+The page holds no data, so these paths are open even with `--api-key` (auth.py OPEN_PATHS;
+the router's copy is router/auth.py PLAYGROUND_PATHS); the page asks for the key and sends
+it on its own API calls. Every response
 carries a strict Content-Security-Policy (scripts and styles only from this server, no
 inline code, fetches only to this server) and `X-Content-Type-Options: nosniff`.
 """
@@ -24,6 +26,7 @@ FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/static/app.css": ("app.css", "text/css; charset=utf-8"),
+    "/static/timeline.js": ("timeline.js", "text/javascript; charset=utf-8"),
 }
 PLAYGROUND_PATHS = frozenset(FILES)
 
@@ -63,3 +66,8 @@ async def app_js() -> Response:
 @router.get("/static/app.css", include_in_schema=False)
 async def app_css() -> Response:
     return _serve("/static/app.css")
+
+
+@router.get("/static/timeline.js", include_in_schema=False)
+async def timeline_js() -> Response:
+    return _serve("/static/timeline.js")

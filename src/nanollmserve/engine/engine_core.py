@@ -36,6 +36,7 @@ from nanollmserve.engine.scheduler import Scheduler
 from nanollmserve.engine.spec_decode.proposer import make_speculative_decoder
 from nanollmserve.engine.stats import EngineCounters, EngineStats, StepStats
 from nanollmserve.errors import UserError
+from nanollmserve.layers.kv_quant import kv_bytes_per_token, kv_cache_storage_dtype
 
 if TYPE_CHECKING:
     from nanollmserve.distributed.tp_executor import TensorParallelExecutor
@@ -261,6 +262,7 @@ class EngineCore:
             device=self.device,
             dtype=self.dtype,
             seed=self.config.seed,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
     # -- sleep mode -----------------------------------------------------------------------
@@ -339,7 +341,8 @@ class EngineCore:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         tp_size = self.config.tensor_parallel_size
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype, tp_size) * block_size
+        kv_dtype = kv_cache_storage_dtype(self.config.kv_cache_dtype, self.dtype)
+        bytes_per_block = kv_bytes_per_token(self.model_config, kv_dtype, tp_size) * block_size
         memory = self.config.kv_cache_memory
         if memory is None:
             if self.device.type == "cuda":

@@ -2,16 +2,18 @@
 runs the forward pass and samples. It makes no decisions: the scheduler already has.
 
 One KV allocation is made at start: `[2, num_layers, num_blocks, block_size, kv_heads,
-head_dim]`; each attention layer gets views of its K and V planes. On the CPU it is an
-anonymous memory map, which the kernel hands out zero-filled and commits page by page as
-tokens are written: filling 1 GiB with `torch.zeros` took 0.8 s of every start. Per step it
-builds the flat batch (input ids, positions, slot mapping, block tables) with tensor ops
-over requests, never a Python loop over tokens, sets the attention context, runs the model
-on the flat batch, computes logits only at the positions that sample, and samples. A
-one-token step runs its matmuls on the CPU kernel that is fastest for one row
-(`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step whose requests each run a
-few tokens (their next tokens, verify steps, short prefill chunks: `_native_spans`) runs as a
-single native call instead (`engine/native_decode.py`).
+head_dim]` in the KV cache dtype (`--kv-cache-dtype`: the model's, or 8-bit codes with a
+float32 scale per token and KV head in `kv_scales`, `[2, num_layers, num_blocks, block_size,
+kv_heads]`, `layers/kv_quant.py`); each attention layer gets views of its K and V planes
+(and scales). On the CPU it is an anonymous memory map, which the kernel hands out
+zero-filled and commits page by page as tokens are written: filling 1 GiB with `torch.zeros`
+took 0.8 s of every start. Per step it builds the flat batch (input ids, positions, slot
+mapping, block tables) with tensor ops over requests, never a Python loop over tokens, sets
+the attention context, runs the model on the flat batch, computes logits only at the
+positions that sample, and samples. A one-token step runs its matmuls on the CPU kernel that
+is fastest for one row (`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step
+whose requests each run a few tokens (their next tokens, verify steps, short prefill chunks:
+`_native_spans`) runs as a single native call instead (`engine/native_decode.py`).
 
 Failure isolation: what comes after the logits (sampling metadata, grammar masks, the
 sampler) belongs to one request per row, so when it raises the step is sampled again request
@@ -56,6 +58,7 @@ from nanollmserve.layers.attention_context import (
     set_context,
 )
 from nanollmserve.layers.cpu_matmul import matmul_kernels_for
+from nanollmserve.layers.kv_quant import SCALE_DTYPE, is_quantized, kv_cache_storage_dtype
 from nanollmserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -84,10 +87,12 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_storage_dtype(kv_cache_dtype, dtype)
         self.block_size = block_size
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         first = self.attention_layers[0]
@@ -96,7 +101,14 @@ class ModelRunner:
             first.head_dim,
         )  # fmt: skip
         self.native_decode: NativeDecodeStep | None = None
+        self.kv_scales: torch.Tensor | None = None
         self._allocate_kv_cache()
+        if self.kv_scales is not None:
+            logger.info(
+                "KV cache: %d blocks of %d tokens, %s codes + %s scales (%.1f MiB)",
+                *(num_blocks, block_size, self.kv_cache_dtype, SCALE_DTYPE),
+                (self.kv_cache.nbytes + self.kv_scales.nbytes) / 2**20,
+            )
         self.native_steps: Counter[str] = Counter()
         """Steps run by `native_decode`, by kind: decode, verify, prefill."""
         self.sampler = Sampler(seed=seed, device=device)
@@ -385,14 +397,20 @@ class ModelRunner:
         return self.kv_cache is None
 
     def _allocate_kv_cache(self) -> None:
-        """A zeroed KV pool bound to the layers (views of its K and V planes), and the native
-        step built on its addresses: a step of decode tokens, verify spans and short prefill
+        """A zeroed KV pool in the KV cache dtype (with its zeroed scales when quantized)
+        bound to the layers (views of its K and V planes and scales), and the native step
+        built on its addresses: a step of decode tokens, verify spans and short prefill
         chunks, of one request or several, runs as one native call when the model allows it
         (`_native_spans`)."""
-        self.kv_cache = zeroed_tensor(self._kv_shape, self.dtype, self.device)
+        self.kv_cache = zeroed_tensor(self._kv_shape, self.kv_cache_dtype, self.device)
+        if is_quantized(self.kv_cache_dtype):
+            self.kv_scales = zeroed_tensor(self._kv_shape[:-1], SCALE_DTYPE, self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scale = self.kv_scales[0, i]
+                layer.v_scale = self.kv_scales[1, i]
         num_blocks, block_size = self._kv_shape[2:4]
         self.native_decode = NativeDecodeStep.for_model(self.model, num_blocks * block_size)
 
@@ -403,13 +421,14 @@ class ModelRunner:
         self.native_decode = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache = None
+            layer.k_scale = layer.v_scale = None
+        self.kv_cache = self.kv_scales = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def reallocate_kv_cache(self) -> None:
-        """A fresh zeroed KV pool of the released one's shape, bound to the layers again, and
-        the native step rebuilt on its new addresses."""
+        """A fresh zeroed KV pool of the released one's shape and dtype, bound to the layers
+        again, and the native step rebuilt on its new addresses."""
         self._allocate_kv_cache()
 
 
@@ -478,4 +497,5 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    # as bytes first: frombuffer takes no float8 dtype
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)

@@ -17,9 +17,11 @@ The step is built from the model's own declaration (`model.native_decoder()`,
 `model/native_decoder.py`), never from its internals: a model that cannot declare itself
 (an option the native layer lacks, projections not in GGUF blocks, tensor parallelism)
 is refused at load with that reason logged, and so is a declaration outside the kernels'
-limits (head_dim a multiple of 8 up to 256) or a build without the kernels; every step then
-runs the PyTorch forward. The model runner decides which steps run here; everything after
-the logits (grammar masks, sampling, logprobs) is unchanged.
+limits (head_dim a multiple of 8 up to 256; a KV cache of float32, or int8 with its scales:
+`--kv-cache-dtype int8` is written quantized and read in place by the step, fp8 is not) or a
+build without the kernels; every step then runs the PyTorch forward. The model runner decides
+which steps run here; everything after the logits (grammar masks, sampling, logprobs) is
+unchanged.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from nanollmserve.model.native_decoder import NativeDecoder, NotNativeError
-from nanollmserve.native.ops import decode_step
+from nanollmserve.native.ops import KV_DTYPE_CODES, decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class _Layer(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")),
         *((name, ctypes.c_void_p) for name in ("qkv_bias", "o_bias", "input_norm", "post_norm")),
         *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "k_cache", "v_cache")),
+        *((name, ctypes.c_void_p) for name in ("k_scale", "v_scale")),
     ]
 
 
@@ -68,6 +71,7 @@ class _Model(ctypes.Structure):
                 "lm_head_kind",
                 "max_context",
                 "num_blocks",
+                "kv_dtype",
             )
         ),  # fmt: skip
         ("eps", ctypes.c_float),
@@ -87,6 +91,7 @@ def _layer_struct(layer) -> _Layer:
         *(_ptr(p.tiles) for p in projections),
         _ptr(layer.qkv.bias), _ptr(layer.o.bias), _ptr(layer.input_norm), _ptr(layer.post_norm),
         _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.k_cache), _ptr(layer.v_cache),
+        _ptr(layer.k_scale), _ptr(layer.v_scale),
     )  # fmt: skip
 
 
@@ -96,8 +101,15 @@ def _kernel_limits(decoder: NativeDecoder) -> str | None:
         return f"head_dim {decoder.head_dim} is not a multiple of 8 up to {_MAX_HEAD_DIM}"
     if decoder.num_heads % decoder.num_kv_heads:
         return f"{decoder.num_heads} query heads do not group over {decoder.num_kv_heads} KV heads"
-    if decoder.layers[0].k_cache.numel() == 0:
+    layer = decoder.layers[0]
+    if layer.k_cache.numel() == 0:
         return "the KV cache is not bound"
+    if layer.k_cache.dtype not in KV_DTYPE_CODES:
+        return f"the step reads a float32 or int8 KV cache, not {layer.k_cache.dtype}"
+    if layer.k_cache.dtype == torch.int8 and any(
+        each.k_scale is None or each.v_scale is None for each in decoder.layers
+    ):
+        return "the int8 KV cache has no scales bound"
     return None
 
 
@@ -132,7 +144,8 @@ class NativeDecodeStep:
             decoder.hidden_size, decoder.intermediate_size, decoder.num_heads,
             decoder.num_kv_heads, decoder.head_dim, len(decoder.layers), decoder.vocab_size,
             self.block_size, 0 if lm_head is None else lm_head.kind,
-            self.max_context, self.num_blocks, decoder.rms_norm_eps, decoder.attn_scale,
+            self.max_context, self.num_blocks, KV_DTYPE_CODES[k_cache.dtype],
+            decoder.rms_norm_eps, decoder.attn_scale,
             _ptr(decoder.embed), _ptr(decoder.final_norm), _ptr(decoder.rope),
             _ptr(None if lm_head is None else lm_head.tiles),
             ctypes.cast(self._layers, ctypes.c_void_p),

@@ -12,6 +12,13 @@ on CPU is several times cheaper than gathering token by token. On the CPU in flo
 decode tokens instead read their keys and values in place, in C (`paged_decode_attention` in
 `native/ops.py`, `native/attention_cpu.c`): no gather, no padding to the longest sequence;
 SDPA over the gathered blocks stays for GPUs and as the reference.
+
+A quantized cache (`--kv-cache-dtype`, `layers/kv_quant.py`) holds 8-bit codes in `k_cache` /
+`v_cache` and a float32 scale per token and KV head in `k_scale` / `v_scale` ([num_blocks,
+block_size, kv_heads]): the write quantizes, the native decode attention reads int8 codes in
+place (dequantized in registers), and SDPA (fp8, GPUs, prefill over a cached prefix) reads
+the gathered blocks dequantized, never the whole pool. A prefill from position 0 attends to
+its own K/V as computed, before they are quantized.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanollmserve.layers.attention_context import get_context
+from nanollmserve.layers.kv_quant import dequantize, quantize
 
 
 class PagedAttention(nn.Module):
@@ -33,6 +41,9 @@ class PagedAttention(nn.Module):
         self.group_size = num_heads // num_kv_heads
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None
+        """With a quantized cache, the scales of `k_cache`'s rows; else None."""
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, heads*dim]."""
@@ -53,12 +64,31 @@ class PagedAttention(nn.Module):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache.view(kv_shape).index_copy_(0, slot_mapping, k)
-        self.v_cache.view(kv_shape).index_copy_(0, slot_mapping, v)
+        for cache, scale, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
+            if scale is None:
+                cache.view(kv_shape).index_copy_(0, slot_mapping, x)
+                continue
+            codes, scales = quantize(x, cache.dtype)
+            # as bytes: index_copy_ has no float8 kernel
+            rows = cache.view(kv_shape).view(torch.uint8)
+            rows.index_copy_(0, slot_mapping, codes.view(torch.uint8))
+            scale.view(-1, self.num_kv_heads).index_copy_(0, slot_mapping, scales)
 
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]."""
-        rows = cache.index_select(0, block_ids.reshape(-1))
+    def _gather(
+        self,
+        cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim];
+        a quantized cache's blocks (`scale` given) dequantized to `dtype`."""
+        ids = block_ids.reshape(-1)
+        if scale is None:
+            rows = cache.index_select(0, ids)
+        else:
+            codes = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype)
+            rows = dequantize(codes, scale.index_select(0, ids), dtype)
         rows = rows.view(*block_ids.shape[:-1], -1, self.num_kv_heads, self.head_dim)
         return rows.transpose(-3, -2)
 
@@ -70,8 +100,8 @@ class PagedAttention(nn.Module):
         # "query length", so K/V are never repeated: [D, kv_heads, group, head_dim].
         num_decodes = q.shape[0]
         q = q.reshape(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
-        k = self._gather(self.k_cache, ctx.decode_block_tables)
-        v = self._gather(self.v_cache, ctx.decode_block_tables)
+        k = self._gather(self.k_cache, ctx.decode_block_tables, self.k_scale, q.dtype)
+        v = self._gather(self.v_cache, ctx.decode_block_tables, self.v_scale, q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
@@ -83,7 +113,7 @@ class PagedAttention(nn.Module):
 
         return paged_decode_attention(
             q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens,
-            self.scale,
+            self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
 
     def _prefill(self, q, k, v, span) -> torch.Tensor:
@@ -95,8 +125,10 @@ class PagedAttention(nn.Module):
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            k = self._gather(self.k_cache, span.block_ids)[:, : span.context_len].unsqueeze(0)
-            v = self._gather(self.v_cache, span.block_ids)[:, : span.context_len].unsqueeze(0)
+            k = self._gather(self.k_cache, span.block_ids, self.k_scale, q.dtype)
+            v = self._gather(self.v_cache, span.block_ids, self.v_scale, q.dtype)
+            k = k[:, : span.context_len].unsqueeze(0)
+            v = v[:, : span.context_len].unsqueeze(0)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
             )
@@ -104,15 +136,15 @@ class PagedAttention(nn.Module):
 
 
 def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int):
-    """The native ops (`native/ops.py`) when they can attend these decodes (float32 on the
-    CPU, a contiguous cache, head_dim a multiple of 8 up to `MAX_HEAD_DIM`), else None: SDPA
-    over gathered blocks."""
+    """The native ops (`native/ops.py`) when they can attend these decodes (float32 queries
+    on the CPU, a contiguous float32 or int8 cache, head_dim a multiple of 8 up to
+    `MAX_HEAD_DIM`), else None: SDPA over gathered blocks."""
     from nanollmserve.native import ops
 
     if (
         q.device.type != "cpu"
         or q.dtype != torch.float32
-        or k_cache.dtype != torch.float32
+        or k_cache.dtype not in (torch.float32, torch.int8)
         or not k_cache.is_contiguous()
         or head_dim % 8
         or head_dim > ops.MAX_HEAD_DIM

@@ -226,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
                     k_norm=attn.k_norm.weight if attn.qk_norm else None,
                     k_cache=attn.attn.k_cache,
                     v_cache=attn.attn.v_cache,
+                    k_scale=attn.attn.k_scale,
+                    v_scale=attn.attn.v_scale,
                 )
             )
         attention = decoder.layers[0].self_attn

@@ -44,8 +44,12 @@ class NativeLayer:
     """[head_dim] (Qwen3), or None."""
     k_norm: torch.Tensor | None
     k_cache: torch.Tensor
-    """[blocks, block_size, kv_heads, head_dim], bound by the model runner."""
+    """[blocks, block_size, kv_heads, head_dim], bound by the model runner: float32, or int8
+    codes (`--kv-cache-dtype int8`, `layers/kv_quant.py`)."""
     v_cache: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    """An int8 cache's float32 scales [blocks, block_size, kv_heads]; else None."""
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-/* Attention over the paged KV cache on the CPU (float32 K/V laid out
- * [blocks, block_size, kv_heads, head_dim]), read in place through block tables: one query
- * KV head's group of query heads at a time (`nls_attend_group`, also used by the single-stream
- * decode step in gguf_cpu.c) and
- * the decode tokens of a batched step (`nls_paged_decode_attention`). */
+/* Attention over the paged KV cache on the CPU (K/V laid out [blocks, block_size, kv_heads,
+ * head_dim], float32 or int8 codes with a float scale per token and KV head: `nls_kv_cache` in
+ * native.h), read in place through block tables: one query KV head's group of query heads at a
+ * time (`nls_attend_group`, also used by the decode step in gguf_cpu.c) and the decode tokens
+ * of a batched step (`nls_paged_decode_attention`, `nls_paged_decode_attention_int8`). An int8
+ * row is dequantized in registers (8 codes widened to floats, times the row's scale), never
+ * copied out as floats. */
 
 #include <string.h>
 
@@ -12,25 +14,29 @@
 
 /* The `group` query heads that share KV head `g` (grouped-query attention: their queries and
  * outputs are `group` consecutive heads of `hd` floats) over a sequence's first `ctx` keys,
- * read in place from the paged cache ([blocks, block_size, kv_heads, head_dim]) through the
- * sequence's block table: softmax of the scaled dot products, then the weighted sum of the
- * values. Each key and value row is read once for all the group's heads (up to 8 at a time).
- * `scores`: room for group * ctx floats. */
+ * read in place from the paged cache through the sequence's block table: softmax of the
+ * scaled dot products, then the weighted sum of the values. Each key and value row is read
+ * once for all the group's heads (up to 8 at a time); an int8 row's scale multiplies its
+ * dot product (keys) or its softmax weight (values). `scores`: room for group * ctx floats. */
 #define ATTEND_HEADS 8
 
-void nls_attend_group(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int group,
-                      int hd, int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
-                      float *out) {
+/* `int8` is a constant at each call: the compiler makes one copy per cache type, without the
+ * test in the loops. */
+static inline __attribute__((always_inline)) void attend_group(const float *q, const nls_kv_cache *kv, int kvh,
+                                                               int g, int group, int hd, int bs, float scale,
+                                                               const int64_t *block_table, int64_t ctx,
+                                                               float *scores, float *out, const int int8) {
     for (int j0 = 0; j0 < group; j0 += ATTEND_HEADS) {
         const int heads = group - j0 < ATTEND_HEADS ? group - j0 : ATTEND_HEADS;
         const float *qg = q + (int64_t)j0 * hd;
         float max_score[ATTEND_HEADS], sum[ATTEND_HEADS];
         for (int j = 0; j < heads; j++) max_score[j] = -INFINITY;
         for (int64_t t = 0; t < ctx; t++) {
-            const int64_t slot = block_table[t / bs] * bs + t % bs;
-            const float *k = k_cache + (slot * kvh + g) * hd;
+            const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
             for (int j = 0; j < heads; j++) {
-                const float s = dot_f32(qg + (int64_t)j * hd, k, hd) * scale;
+                const float *qj = qg + (int64_t)j * hd;
+                const float s = int8 ? dot_f32_i8(qj, (const int8_t *)kv->k + row * hd, hd) * (kv->k_scale[row] * scale)
+                                     : dot_f32(qj, (const float *)kv->k + row * hd, hd) * scale;
                 scores[j * ctx + t] = s;
                 max_score[j] = s > max_score[j] ? s : max_score[j];
             }
@@ -54,13 +60,15 @@ void nls_attend_group(const float *q, const float *k_cache, const float *v_cache
         float acc[ATTEND_HEADS][MAX_HEAD_DIM];
         for (int j = 0; j < heads; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
         for (int64_t t = 0; t < ctx; t++) {
-            const int64_t slot = block_table[t / bs] * bs + t % bs;
-            const float *v = v_cache + (slot * kvh + g) * hd;
+            const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
+            const float row_scale = int8 ? kv->v_scale[row] : 1.0f;
+            __m256 weight[ATTEND_HEADS];
+            for (int j = 0; j < heads; j++) weight[j] = _mm256_set1_ps(scores[j * ctx + t] * row_scale);
             for (int i = 0; i < hd; i += 8) {
-                const __m256 vi = _mm256_loadu_ps(v + i);
+                const __m256 vi = int8 ? load_i8x8((const int8_t *)kv->v + row * hd + i)
+                                       : _mm256_loadu_ps((const float *)kv->v + row * hd + i);
                 for (int j = 0; j < heads; j++)
-                    _mm256_storeu_ps(acc[j] + i, _mm256_fmadd_ps(_mm256_set1_ps(scores[j * ctx + t]), vi,
-                                                                 _mm256_loadu_ps(acc[j] + i)));
+                    _mm256_storeu_ps(acc[j] + i, _mm256_fmadd_ps(weight[j], vi, _mm256_loadu_ps(acc[j] + i)));
             }
         }
         for (int j = 0; j < heads; j++) {
@@ -69,6 +77,14 @@ void nls_attend_group(const float *q, const float *k_cache, const float *v_cache
             for (int i = 0; i < hd; i++) o[i] = acc[j][i] * inv;
         }
     }
+}
+
+void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
+                      float scale, const int64_t *block_table, int64_t ctx, float *scores, float *out) {
+    if (kv->dtype == NLS_KV_INT8)
+        attend_group(q, kv, kvh, g, group, hd, bs, scale, block_table, ctx, scores, out, 1);
+    else
+        attend_group(q, kv, kvh, g, group, hd, bs, scale, block_table, ctx, scores, out, 0);
 }
 
 /* ------------------------------------------------ public: attention of decode tokens -- */
@@ -91,18 +107,18 @@ int64_t nls_paged_decode_attention_workspace_bytes(int32_t num_heads, int32_t nu
 
 /* The decode tokens of a batched step: q [seqs, heads, head_dim] -> out (same shape), each
  * sequence attending to its first context_lens[s] keys through its row of `block_tables`
- * ([seqs, table_width]), read in place from the layer's paged K/V. Every (sequence, KV head)
- * is one work item, its query heads attended together, their scores in the calling thread's
- * slice of `workspace` (at least nls_paged_decode_attention_workspace_bytes(num_heads,
+ * ([seqs, table_width]), read in place from the layer's paged K/V `kv`. Every (sequence, KV
+ * head) is one work item, its query heads attended together, their scores in the calling
+ * thread's slice of `workspace` (at least nls_paged_decode_attention_workspace_bytes(num_heads,
  * num_kv_heads, table_width * block_size, num_threads) bytes, reused across calls). Returns 0,
  * NLS_BAD_SHAPE for heads, a head_dim or a workspace it cannot run, NLS_BAD_POSITION for a
  * context length not in [1, table_width * block_size], or NLS_BAD_BLOCK for a block id
  * outside [0, num_blocks) (the caches' first dimension). */
-int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                               int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                               int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
-                               int64_t table_width, const int64_t *context_lens, float *out,
-                               void *workspace, int64_t workspace_bytes, int num_threads) {
+static int paged_decode_attention(const float *q, const nls_kv_cache *kv, int64_t num_seqs, int32_t num_heads,
+                                  int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int64_t num_blocks,
+                                  float scale, const int64_t *block_tables, int64_t table_width,
+                                  const int64_t *context_lens, float *out, void *workspace, int64_t workspace_bytes,
+                                  int num_threads) {
     if (num_seqs < 0 || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
         head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size <= 0 || table_width < 0 || num_threads < 1)
         return NLS_BAD_SHAPE;
@@ -128,9 +144,34 @@ int nls_paged_decode_attention(const float *q, const float *k_cache, const float
             const int64_t s = item / num_kv_heads;
             const int g = (int)(item % num_kv_heads);
             const int64_t first = (s * num_heads + (int64_t)g * group) * head_dim;
-            nls_attend_group(q + first, k_cache, v_cache, num_kv_heads, g, group, head_dim, block_size, scale,
+            nls_attend_group(q + first, kv, num_kv_heads, g, group, head_dim, block_size, scale,
                              block_tables + s * table_width, context_lens[s], scores, out + first);
         }
     }
     return 0;
+}
+
+/* `paged_decode_attention` over float32 K/V [blocks, block_size, kv_heads, head_dim]. */
+int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                               int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                               int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float *out,
+                               void *workspace, int64_t workspace_bytes, int num_threads) {
+    const nls_kv_cache kv = {k_cache, v_cache, NULL, NULL, NLS_KV_F32};
+    return paged_decode_attention(q, &kv, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                                  block_tables, table_width, context_lens, out, workspace, workspace_bytes, num_threads);
+}
+
+/* `paged_decode_attention` over int8 K/V codes [blocks, block_size, kv_heads, head_dim] and
+ * their float scales [blocks, block_size, kv_heads]; NLS_BAD_SHAPE without the scales. */
+int nls_paged_decode_attention_int8(const float *q, const int8_t *k_cache, const int8_t *v_cache,
+                                    const float *k_scale, const float *v_scale, int64_t num_seqs, int32_t num_heads,
+                                    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int64_t num_blocks,
+                                    float scale, const int64_t *block_tables, int64_t table_width,
+                                    const int64_t *context_lens, float *out, void *workspace, int64_t workspace_bytes,
+                                    int num_threads) {
+    if (k_scale == NULL || v_scale == NULL) return NLS_BAD_SHAPE;
+    const nls_kv_cache kv = {k_cache, v_cache, k_scale, v_scale, NLS_KV_INT8};
+    return paged_decode_attention(q, &kv, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                                  block_tables, table_width, context_lens, out, workspace, workspace_bytes, num_threads);
 }

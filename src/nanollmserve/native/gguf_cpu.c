@@ -14,7 +14,8 @@
  *    a step of one or several sequences (one decode token per sequence; a speculative verify
  *    step: the last token and its drafts; a short prefill chunk), from token ids to logits, in
  *    one call and one OpenMP parallel region: RMSNorm, fused q/k/v, rotary embedding, the K/V
- *    write into the paged cache, causal attention over the sequence's blocks, the output
+ *    write into the paged cache (float32, or int8 codes and a scale per token and KV head,
+ *    quantized as they are written), causal attention over the sequence's blocks, the output
  *    projection, the gated MLP, the final norm and the output projection to the vocabulary.
  *    The T rows go through each matrix together (a tile's weights decoded once for all of
  *    them). PyTorch runs the same step as ~1000 operator calls, whose dispatch alone costs
@@ -459,7 +460,8 @@ typedef struct {
     const float *qkv_bias, *o_bias;                    /* or NULL */
     const float *input_norm, *post_norm;               /* [hidden] */
     const float *q_norm, *k_norm;                      /* [head_dim] (Qwen3) or NULL */
-    float *k_cache, *v_cache;                          /* [blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;                           /* [blocks, block_size, kv_heads, head_dim] of kv_dtype */
+    float *k_scale, *v_scale;                          /* int8: [blocks, block_size, kv_heads]; else NULL */
 } nls_layer;
 
 typedef struct {
@@ -467,6 +469,7 @@ typedef struct {
     int32_t lm_head_kind; /* KIND_Q4 / KIND_Q8, or 0: write the final normed hidden state */
     int32_t max_context;
     int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
+    int32_t kv_dtype;     /* NLS_KV_F32 or NLS_KV_INT8 (native.h) */
     float eps, attn_scale;
     const float *embed;      /* [vocab, hidden] */
     const float *final_norm; /* [hidden] */
@@ -501,6 +504,33 @@ static void silu_and_mul(const float *gate_up, int n, float *out) {
         _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, u));
     }
     for (; i < n; i++) out[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[n + i];
+}
+
+/* One token's K or V row of one KV head (`hd` floats) -> int8 codes and its scale, x ~= scale
+ * code: scale = max |x| / 127, codes rounded to nearest (ties to even), the bytes the PyTorch
+ * path (layers/kv_quant.py) writes for the same row. */
+static void quantize_kv_head(const float *x, int hd, int8_t *codes, float *scale) {
+    float amax = 0.0f;
+    for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < hd; i++) codes[i] = (int8_t)nearbyintf(x[i] * inv);
+    *scale = amax / 127.0f;
+}
+
+/* Token row `k`, `v` ([kv_heads * head_dim] each) into cache slot `slot` of layer L. */
+static void store_kv(const nls_model *m, const nls_layer *L, int64_t slot, const float *k, const float *v) {
+    const int kvh = m->num_kv_heads, hd = m->head_dim;
+    const int64_t kv_size = (int64_t)kvh * hd;
+    if (m->kv_dtype == NLS_KV_INT8) {
+        for (int g = 0; g < kvh; g++) {
+            const int64_t row = slot * kvh + g;
+            quantize_kv_head(k + g * hd, hd, (int8_t *)L->k_cache + row * hd, L->k_scale + row);
+            quantize_kv_head(v + g * hd, hd, (int8_t *)L->v_cache + row * hd, L->v_scale + row);
+        }
+        return;
+    }
+    memcpy((float *)L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
+    memcpy((float *)L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
 }
 
 /* The longest row the step quantizes: the hidden state, the attention output or the MLP's
@@ -594,7 +624,8 @@ void nls_decode_profile(int enable, double *seconds) {
  * touching anything NLS_BAD_SHAPE (a count, a sequence index, a logit row or scratch it cannot
  * run), NLS_BAD_POSITION (a position not in [0, max_context) or beyond the table),
  * NLS_BAD_TOKEN (not in [0, vocab)) or NLS_BAD_BLOCK (a block id a token uses is not in
- * [0, num_blocks)). */
+ * [0, num_blocks)); NLS_BAD_SHAPE also for a kv_dtype it cannot read (or int8 without the
+ * scales). */
 int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *positions,
                     const int64_t *seq_of_token, int64_t num_tokens, const int64_t *block_tables,
                     int64_t num_seqs, int64_t table_width, const int64_t *logit_rows, int64_t num_logits,
@@ -605,6 +636,9 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
         return NLS_BAD_SHAPE;
     for (int64_t r = 0; r < num_logits; r++)
         if (logit_rows[r] < 0 || logit_rows[r] >= T) return NLS_BAD_SHAPE;
+    if (m->kv_dtype != NLS_KV_F32 && m->kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
+    for (int l = 0; l < m->num_layers && m->kv_dtype == NLS_KV_INT8; l++)
+        if (m->layers[l].k_scale == NULL || m->layers[l].v_scale == NULL) return NLS_BAD_SHAPE;
     for (int64_t t = 0; t < T; t++) {
         if (seq_of_token[t] < 0 || seq_of_token[t] >= num_seqs) return NLS_BAD_SHAPE;
         if (positions[t] < 0 || positions[t] >= m->max_context || positions[t] / m->block_size >= table_width)
@@ -636,6 +670,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
         float *acc = own, *scores = own + 32 * T;
         for (int l = 0; l < m->num_layers; l++) {
             const nls_layer *L = &m->layers[l];
+            const nls_kv_cache kv = {L->k_cache, L->v_cache, L->k_scale, L->v_scale, m->kv_dtype};
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) norm_and_quantize(h, L->input_norm, t, H, m->eps, xn, xq, dx, sx);
             PHASE(PHASE_OTHER);
@@ -655,9 +690,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                     rope_head(x, cos_sin, hd);
                 }
                 const int64_t *table = block_tables + seq_of_token[t] * table_width;
-                const int64_t slot = table[p / m->block_size] * m->block_size + p % m->block_size;
-                memcpy(L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
-                memcpy(L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
+                store_kv(m, L, table[p / m->block_size] * m->block_size + p % m->block_size, k, v);
             }
             PHASE(PHASE_ROPE_KV);
             /* every token's K/V is in the cache (the loop's barrier): token t sees keys <= its own;
@@ -666,7 +699,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             for (int64_t item = 0; item < T * kvh; item++) {
                 const int64_t t = item / kvh;
                 const int g = (int)(item % kvh);
-                nls_attend_group(qkv + t * qkv_size + (int64_t)g * group * hd, L->k_cache, L->v_cache, kvh, g,
+                nls_attend_group(qkv + t * qkv_size + (int64_t)g * group * hd, &kv, kvh, g,
                                  group, hd, m->block_size, m->attn_scale, block_tables + seq_of_token[t] * table_width,
                                  positions[t] + 1, scores, attn + t * q_size + (int64_t)g * group * hd);
             }
@@ -735,19 +768,20 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
         {"TILE_BLOCK_BYTES_Q4", tile_block_bytes(KIND_Q4)}, {"TILE_BLOCK_BYTES_Q8", tile_block_bytes(KIND_Q8)},
         ABI_CONSTANT(MAX_HEAD_DIM), ABI_CONSTANT(NLS_PHASES),
         ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),
-        ABI_CONSTANT(NLS_BAD_BLOCK), ABI_CONSTANT(NLS_BAD_SHAPE),
+        ABI_CONSTANT(NLS_BAD_BLOCK), ABI_CONSTANT(NLS_BAD_SHAPE), ABI_CONSTANT(NLS_KV_F32), ABI_CONSTANT(NLS_KV_INT8),
         {"sizeof(nls_layer)", (int64_t)sizeof(nls_layer)},
         ABI_OFFSET(nls_layer, qkv_kind), ABI_OFFSET(nls_layer, o_kind), ABI_OFFSET(nls_layer, gate_up_kind),
         ABI_OFFSET(nls_layer, down_kind), ABI_OFFSET(nls_layer, qkv), ABI_OFFSET(nls_layer, o),
         ABI_OFFSET(nls_layer, gate_up), ABI_OFFSET(nls_layer, down), ABI_OFFSET(nls_layer, qkv_bias),
         ABI_OFFSET(nls_layer, o_bias), ABI_OFFSET(nls_layer, input_norm), ABI_OFFSET(nls_layer, post_norm),
         ABI_OFFSET(nls_layer, q_norm), ABI_OFFSET(nls_layer, k_norm), ABI_OFFSET(nls_layer, k_cache),
-        ABI_OFFSET(nls_layer, v_cache),
+        ABI_OFFSET(nls_layer, v_cache), ABI_OFFSET(nls_layer, k_scale), ABI_OFFSET(nls_layer, v_scale),
         {"sizeof(nls_model)", (int64_t)sizeof(nls_model)},
         ABI_OFFSET(nls_model, hidden), ABI_OFFSET(nls_model, intermediate), ABI_OFFSET(nls_model, num_heads),
         ABI_OFFSET(nls_model, num_kv_heads), ABI_OFFSET(nls_model, head_dim), ABI_OFFSET(nls_model, num_layers),
         ABI_OFFSET(nls_model, vocab), ABI_OFFSET(nls_model, block_size), ABI_OFFSET(nls_model, lm_head_kind),
-        ABI_OFFSET(nls_model, max_context), ABI_OFFSET(nls_model, num_blocks), ABI_OFFSET(nls_model, eps),
+        ABI_OFFSET(nls_model, max_context), ABI_OFFSET(nls_model, num_blocks), ABI_OFFSET(nls_model, kv_dtype),
+        ABI_OFFSET(nls_model, eps),
         ABI_OFFSET(nls_model, attn_scale), ABI_OFFSET(nls_model, embed), ABI_OFFSET(nls_model, final_norm),
         ABI_OFFSET(nls_model, rope), ABI_OFFSET(nls_model, lm_head), ABI_OFFSET(nls_model, layers),
     };

@@ -1,6 +1,8 @@
 /* Shared by the native CPU sources (built by nanollmserve/native/build.py): the status codes
- * of the entry points, small AVX2 vector helpers, and the attention of one query head over a
- * sequence's paged K/V (attention_cpu.c), which the decode step calls too. */
+ * of the entry points, small AVX2 vector helpers, the paged K/V cache as attention reads it
+ * (float32, or int8 codes with a float scale per token and KV head: `--kv-cache-dtype int8`),
+ * and the attention of one query head over a sequence's paged K/V (attention_cpu.c), which the
+ * decode step calls too. */
 #ifndef NLS_NATIVE_H
 #define NLS_NATIVE_H
 
@@ -39,6 +41,11 @@ void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, 
 #define NLS_BAD_BLOCK -4
 #define NLS_BAD_SHAPE -5
 #define MAX_HEAD_DIM 256
+
+/* The KV cache's element types (`kv_dtype`). An int8 row (one token's K or V of one KV head)
+ * is `head_dim` codes and one float scale: x ~= scale * code. */
+#define NLS_KV_F32 0
+#define NLS_KV_INT8 1
 
 /* ---------------------------------------------------------------- small vector helpers -- */
 
@@ -84,9 +91,29 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return s;
 }
 
+/* 8 int8 codes -> 8 floats (the caller applies the row's scale). */
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 
-void nls_attend_group(const float *q, const float *k_cache, const float *v_cache, int kvh, int g, int group,
-                      int hd, int bs, float scale, const int64_t *block_table, int64_t ctx, float *scores,
-                      float *out);
+/* sum a[i] * b[i] over float a and int8 codes b, n a multiple of 8. */
+static inline float dot_f32_i8(const float *a, const int8_t *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_i8x8(b + i), acc);
+    return hsum_ps(acc);
+}
+
+/* One layer's paged K/V: `k` and `v` [blocks, block_size, kv_heads, head_dim] of `dtype`
+ * (NLS_KV_F32: float; NLS_KV_INT8: int8 codes, and `k_scale` / `v_scale` [blocks,
+ * block_size, kv_heads] their float scales; NULL for float32). */
+typedef struct {
+    const void *k, *v;
+    const float *k_scale, *v_scale;
+    int dtype;
+} nls_kv_cache;
+
+
+void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
+                      float scale, const int64_t *block_table, int64_t ctx, float *scores, float *out);
 
 #endif

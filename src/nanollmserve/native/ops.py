@@ -41,6 +41,10 @@ NLS_BAD_SHAPE = -5
 _STATUS_NAMES = (
     "NLS_NO_MEMORY", "NLS_BAD_POSITION", "NLS_BAD_TOKEN", "NLS_BAD_BLOCK", "NLS_BAD_SHAPE",
 )  # fmt: skip
+NLS_KV_F32 = 0
+NLS_KV_INT8 = 1
+"""The KV cache element types the attention reads (native.h; `nls_model.kv_dtype`)."""
+KV_DTYPE_CODES = {torch.float32: NLS_KV_F32, torch.int8: NLS_KV_INT8}
 
 _i32, _i64, _int, _float, _ptr = (
     ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
@@ -188,6 +192,12 @@ _signature(
      _ptr, _i64, _int],
     _int,
 )  # fmt: skip
+_signature(
+    "nls_paged_decode_attention_int8",
+    [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i64, _float, _ptr, _i64, _ptr,
+     _ptr, _ptr, _i64, _int],
+    _int,
+)  # fmt: skip
 _ATTENTION_REFUSALS = {
     NLS_BAD_POSITION: "a decode context is longer than its block table",
     NLS_BAD_BLOCK: "a decode block table names a block outside the KV pool",
@@ -202,16 +212,31 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [seqs, heads, head_dim] (float32) -> the same shape: each sequence attends to its
     first context_lens[s] keys (int64 [seqs]) through its row of `block_tables` (int64
-    [seqs, width]), read in place from the paged caches (float32, contiguous,
-    [blocks, block_size, kv_heads, head_dim]). The C checks every length and block id it
-    reads through (no host sync here) and its refusals are ValueErrors."""
+    [seqs, width]), read in place from the paged caches (contiguous, [blocks, block_size,
+    kv_heads, head_dim]: float32, or int8 codes with `k_scale` / `v_scale`, their float32
+    scales [blocks, block_size, kv_heads], `layers/kv_quant.py`). The C checks every length
+    and block id it reads through (no host sync here) and its refusals are ValueErrors."""
     op = "native paged decode attention"
     _check_tensor(op, "q", q, torch.float32, 3)
-    _check_tensor(op, "k_cache", k_cache, torch.float32, 4)
-    _check_tensor(op, "v_cache", v_cache, torch.float32, 4)
+    cache_dtype = torch.int8 if k_scale is not None else torch.float32
+    _check_tensor(op, "k_cache", k_cache, cache_dtype, 4)
+    _check_tensor(op, "v_cache", v_cache, cache_dtype, 4)
+    if cache_dtype == torch.int8:
+        for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+            _check_tensor(op, name, scales, torch.float32, 3)
+            if scales.shape != k_cache.shape[:3] or not scales.is_contiguous():
+                raise ValueError(
+                    f"{op}: {name} {list(scales.shape)} is not the contiguous scales of caches "
+                    f"{list(k_cache.shape)}"
+                )
+    elif v_scale is not None:
+        raise ValueError(f"{op}: v_scale without k_scale")
     _check_tensor(op, "block_tables", block_tables, torch.int64, 2)
     _check_tensor(op, "context_lens", context_lens, torch.int64, 1)
     num_seqs, num_heads, head_dim = q.shape
@@ -250,11 +275,18 @@ def paged_decode_attention(
         num_heads, num_kv_heads, table_width * block_size, threads
     )
     workspace = ATTENTION_WORKSPACE.get(nbytes)
-    status = library.nls_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_seqs, num_heads, num_kv_heads,
-        head_dim, block_size, num_blocks, scale, tables.data_ptr(), table_width,
-        lens.data_ptr(), out.data_ptr(), workspace.data_ptr(), workspace.numel(), threads,
+    shapes = (
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+        tables.data_ptr(), table_width, lens.data_ptr(), out.data_ptr(), workspace.data_ptr(),
+        workspace.numel(), threads,
     )  # fmt: skip
+    caches = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    if cache_dtype == torch.int8:
+        status = library.nls_paged_decode_attention_int8(
+            *caches, k_scale.data_ptr(), v_scale.data_ptr(), *shapes
+        )
+    else:
+        status = library.nls_paged_decode_attention(*caches, *shapes)
     _raise_for(status, op, _ATTENTION_REFUSALS)
     return out
 
@@ -445,6 +477,8 @@ def expected_abi() -> dict[str, int]:
         "TILE_BLOCK_BYTES_Q8": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q8],
         "MAX_HEAD_DIM": MAX_HEAD_DIM,
         "NLS_PHASES": len(DECODE_PHASES),
+        "NLS_KV_F32": NLS_KV_F32,
+        "NLS_KV_INT8": NLS_KV_INT8,
         **{name: globals()[name] for name in _STATUS_NAMES},
     }
     for c_name, structure in (("nls_layer", _Layer), ("nls_model", _Model)):

@@ -17,7 +17,7 @@ from nanollmserve.router.errors import error_response
 
 # The playground page (served by a worker through the router) holds no data, as on a worker
 # (api/auth.py; not imported: the api package loads the engine).
-PLAYGROUND_PATHS = frozenset({"/", "/static/app.js", "/static/app.css"})
+PLAYGROUND_PATHS = frozenset({"/", "/static/app.js", "/static/app.css", "/static/timeline.js"})
 OPEN_PATHS = frozenset({"/health"}) | PLAYGROUND_PATHS
 METRICS_PATH = "/metrics"
 

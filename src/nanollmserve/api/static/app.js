@@ -1,5 +1,6 @@
 // nanollmserve playground: chat and completions against this server's OpenAI API, plus a
-// live panel polling /stats. Plain JS, no build step, no third-party code.
+// live panel polling /stats (the Timeline tab is timeline.js). Plain JS, no build step, no
+// third-party code.
 //
 // Safety rule: model output is untrusted. It only ever reaches the page as text nodes
 // (textContent / createTextNode); nothing here assigns innerHTML or builds HTML strings.
@@ -503,13 +504,16 @@ function drawSparkline() {
 
 // ---------------------------------------------------------------- wiring
 
+// Shows the pane `pane-NAME` and tells the other scripts (timeline.js) which tab is open.
 function switchTab(name) {
   for (const tab of document.querySelectorAll(".tab")) {
     tab.classList.toggle("active", tab.dataset.tab === name);
   }
-  $("pane-chat").hidden = name !== "chat";
-  $("pane-completions").hidden = name !== "completions";
+  for (const pane of document.querySelectorAll(".pane")) {
+    pane.hidden = pane.id !== "pane-" + name;
+  }
   for (const el of document.querySelectorAll(".chat-only")) el.hidden = name !== "chat";
+  document.dispatchEvent(new CustomEvent("playground:tab", { detail: name }));
 }
 
 function init() {

@@ -221,14 +221,22 @@ function rowsOf(steps) {
   return [...seen];
 }
 
-// What is drawn, as plain data: window.timelineModel.
+// What is drawn, as plain data, with the totals a hover would show (speculative drafts,
+// grammar-masked samplings): window.timelineModel.
 function publishTimelineModel() {
   const steps = timeline.steps;
   const cells = Object.fromEntries(PHASES.map((phase) => [phase, 0]));
   const preemptions = [];
   const prefixHits = [];
   let maxKvUsed = 0;
+  const drafts = { proposed: 0, accepted: 0 };
+  let grammarMasks = 0;
   for (const { record, cells: stepCells } of steps) {
+    for (const entry of record.batch) {
+      drafts.proposed += entry.draft_proposed;
+      drafts.accepted += entry.draft_accepted;
+    }
+    grammarMasks += record.grammar_masks;
     for (const phase of stepCells.values()) cells[phase] += 1;
     for (const p of record.preemptions) {
       preemptions.push({ step: record.step, request_id: p.request_id, reason: p.reason });
@@ -252,6 +260,8 @@ function publishTimelineModel() {
     cells,
     preemptions,
     prefixHits,
+    drafts,
+    grammarMasks,
     draws: timeline.draws,
   };
   $("timeline-summary").textContent = steps.length
@@ -387,8 +397,8 @@ function drawKvBand(ctx, layout, colors) {
   ctx.beginPath();
   timeline.steps.forEach((view, i) => {
     if (!view.prefixHitBlocks) return;
-    const hits = Math.max(3, Math.min(1, view.prefixHitBlocks / total) * height);
-    ctx.rect(GUTTER + i * layout.cellWidth, top, Math.max(2, layout.cellWidth), hits);
+    const hits = Math.max(6, Math.min(1, view.prefixHitBlocks / total) * height);
+    ctx.rect(GUTTER + i * layout.cellWidth, top, Math.max(3, layout.cellWidth), hits);
   });
   ctx.fillStyle = colors.hit;
   ctx.fill();
@@ -426,17 +436,33 @@ function onTimelineHover(event) {
   scheduleTimelineDraw();
 }
 
-// The step's record as JSON text (prompt token ids summarised), headed by the hovered cell.
+// The step's record as JSON text, headed by the hovered cell: one line per field, and per
+// element of a list of objects (the batch, the KV events); prompt token ids are counted
+// rather than listed, fractions rounded to 3 decimals.
 function showStepRecord(view, requestId) {
   const phase = requestId ? view.cells.get(requestId) : null;
   const head = "step " + view.record.step + (phase ? " · " + requestId + ": " + phase : "");
-  const body = JSON.stringify(
-    view.record,
-    (key, value) =>
-      key === "prompt_token_ids" && Array.isArray(value) ? value.length + " token ids" : value,
-    1,
-  );
-  $("timeline-detail").textContent = head + "\n" + body;
+  $("timeline-detail").textContent = head + "\n" + recordText(view.record);
+}
+
+function recordText(record) {
+  const compact = (value) =>
+    JSON.stringify(value, (key, item) => {
+      if (key === "prompt_token_ids" && Array.isArray(item)) return item.length + " token ids";
+      return typeof item === "number" && !Number.isInteger(item) ? Number(item.toFixed(3)) : item;
+    });
+  const field = ([key, value]) => {
+    const name = "  " + JSON.stringify(key) + ": ";
+    if (Array.isArray(value) && value.length && typeof value[0] === "object") {
+      return name + "[\n" + value.map((item) => "    " + compact(item)).join(",\n") + "\n  ]";
+    }
+    if (key === "kv_blocks" && value.requests.length) {
+      const requests = value.requests.map((item) => "    " + compact(item)).join(",\n");
+      return name + '{"used": ' + value.used + ', "requests": [\n' + requests + "\n  ]}";
+    }
+    return name + compact(value);
+  };
+  return "{\n" + Object.entries(record).map(field).join(",\n") + "\n}";
 }
 
 // The centre of a request's cell at a step, in the canvas's CSS pixels (for tests and
