@@ -40,6 +40,8 @@ FEATURES = {
     "messages": "Messages API",
     "priority": "Priority scheduling",
     "tokenio": "Token-level I/O",
+    "recorder": "Flight recorder",
+    "tracing": "OpenTelemetry tracing",
     "cuda": "CUDA",
 }
 NOT_RUN_ALLOWED = {"cuda"}  # the only feature no machine here can run
@@ -87,6 +89,20 @@ EMBEDDINGS = "tests/test_embeddings.py::"
 TOKEN_IO = "tests/test_token_io_compat.py::"
 T_SHARDED = TOKEN_IO + "test_tensor_parallel_worker_over_router_and_grpc"
 UNRECOGNIZED = "Unrecognized request argument supplied: {}"
+RECORDER = "tests/test_flight_recorder.py::"
+RECORDER_COMPAT = "tests/test_flight_recorder_compat.py::"
+REC_STACK = (
+    RECORDER_COMPAT + "test_gguf_blocks_with_speculation_behind_the_router_record_and_replay"
+)
+REC_SPEC = RECORDER + "test_replay_reproduces_every_step_and_token"
+COMPAT_RECORDER = "tests/test_compat_recorder.py::"
+REC_INT8 = COMPAT_RECORDER + "test_a_traced_int8_reasoning_chat_with_token_io_is_recorded"
+REC_REPLAY = COMPAT_RECORDER + "test_the_int8_reasoning_record_replays_identically"
+TRACING = "tests/test_tracing.py::"
+TRACE_SHARDED = (
+    "tests/test_compat_tracing.py::"
+    "test_a_sharded_reasoning_chat_with_priority_and_token_io_is_traced"
+)
 
 CELLS: dict[tuple[str, str], Cell] = {
     ("tp", "gguf"): refused(
@@ -328,6 +344,77 @@ CELLS: dict[tuple[str, str], Cell] = {
     ),
     ("priority", "tokenio"): works(TOKEN_IO + "test_with_gguf_blocks", T_SHARDED),
     ("tokenio", "cuda"): not_run(NO_GPU),
+    # -- the step flight recorder (--step-record, /debug/steps, replay) ----------------------
+    ("tp", "recorder"): works(RECORDER_COMPAT + "test_tensor_parallel_records_and_replays"),
+    ("gguf", "recorder"): works(REC_STACK),
+    ("int8", "recorder"): works(REC_INT8, REC_REPLAY),
+    ("lora", "recorder"): works(
+        RECORDER_COMPAT + "test_lora_requests_are_recorded_and_replay_refuses_them",
+        note="Recorded with the adapter's name; `replay` refuses the record (exit 2 naming "
+        "the adapter): a record does not hold adapters.",
+    ),
+    ("spec", "recorder"): works(
+        REC_SPEC,
+        REC_STACK,
+        note="Drafts proposed and accepted are recorded and compared by `replay`.",
+    ),
+    ("structured", "recorder"): works(REC_SPEC),
+    ("grpc", "recorder"): works(
+        "tests/test_flight_recorder_server.py::"
+        "test_every_frontends_requests_are_recorded_and_since_filters"
+    ),
+    ("router", "recorder"): works(
+        REC_STACK, note="The router forwards `/debug/steps` to its worker."
+    ),
+    ("reasoning", "recorder"): works(REC_INT8, REC_REPLAY),
+    ("embed", "recorder"): works(
+        COMPAT_RECORDER + "test_embeddings_are_recorded_and_replay",
+        note="A pooling runner's prefill-only steps are recorded and replay.",
+    ),
+    ("messages", "recorder"): works(
+        COMPAT_RECORDER + "test_an_anthropic_message_is_recorded", REC_REPLAY
+    ),
+    ("priority", "recorder"): works(
+        RECORDER + "test_a_priority_preemption_mid_run_is_recorded_with_its_reason_and_replays"
+    ),
+    ("tokenio", "recorder"): works(
+        REC_INT8,
+        REC_REPLAY,
+        note="`prompt_logprobs` and the prompt's token ids are in the recorded arrival.",
+    ),
+    ("recorder", "cuda"): not_run(NO_GPU),
+    # -- OpenTelemetry request spans (--otlp-traces-endpoint) --------------------------------
+    ("tp", "tracing"): works(TRACE_SHARDED),
+    ("gguf", "tracing"): works(TRACING + "test_the_bundled_models_gguf_blocks_are_traced"),
+    ("int8", "tracing"): works(REC_INT8),
+    ("lora", "tracing"): works(
+        TRACING + "test_a_lora_request_names_its_adapter",
+        note="`gen_ai.request.model` names the adapter.",
+    ),
+    ("spec", "tracing"): works(
+        TRACING + "test_structured_output_with_speculative_decoding_is_traced"
+    ),
+    ("structured", "tracing"): works(
+        TRACING + "test_structured_output_with_speculative_decoding_is_traced"
+    ),
+    ("grpc", "tracing"): works(TRACING + "test_grpc_calls_are_spans_in_the_callers_trace"),
+    ("router", "tracing"): works(
+        "tests/test_tracing_router.py::"
+        "test_one_trace_shows_router_then_worker_from_the_clients_parent",
+        note="One trace: the router's CLIENT span, then the worker's SERVER span.",
+    ),
+    ("reasoning", "tracing"): works(TRACE_SHARDED, REC_INT8),
+    ("embed", "tracing"): works(TRACING + "test_embeddings_span"),
+    ("messages", "tracing"): works(
+        TRACING + "test_responses_and_messages_are_chat_spans_and_other_routes_have_none",
+        note="A message is a `chat` span.",
+    ),
+    ("priority", "tracing"): works(TRACE_SHARDED, REC_INT8),
+    ("tokenio", "tracing"): works(TRACE_SHARDED, REC_INT8),
+    ("recorder", "tracing"): works(
+        REC_INT8, note="Both on in one server: the request is one span and one arrival."
+    ),
+    ("tracing", "cuda"): not_run(NO_GPU),
 }
 
 MARKS = {"works": "✅", "refused": "⛔", "not run": "❔"}
