@@ -42,6 +42,9 @@ FEATURES = {
     "tokenio": "Token-level I/O",
     "recorder": "Flight recorder",
     "tracing": "OpenTelemetry tracing",
+    "kvdtype": "Quantized KV cache",
+    "sleep": "Sleep mode",
+    "offload": "KV offload",
     "cuda": "CUDA",
 }
 NOT_RUN_ALLOWED = {"cuda"}  # the only feature no machine here can run
@@ -103,6 +106,19 @@ TRACE_SHARDED = (
     "tests/test_compat_tracing.py::"
     "test_a_sharded_reasoning_chat_with_priority_and_token_io_is_traced"
 )
+KV_DTYPE = "tests/test_kv_cache_dtype.py::"
+KV_REFUSED = KV_DTYPE + "test_combinations_it_cannot_run_are_refused_before_loading[{}]"
+SLEEP = "tests/test_sleep_compat.py::"
+SLEEP_SERVER = "tests/test_sleep_mode.py::"
+OFFLOAD = "tests/test_kv_offload.py::"
+OFFLOAD_REFUSED = OFFLOAD + "test_what_it_cannot_extend_is_refused_at_start[{}]"
+MEMORY = "tests/test_compat_memory.py::"
+MEMORY_SERVER = "tests/test_compat_memory_server.py::"
+KV_STACK = MEMORY + "test_an_int8_kv_cache_thinks_answers_with_token_io_traced_and_recorded"
+KV_SLEEP = MEMORY + "test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens"
+KV_REPLAY = MEMORY + "test_the_int8_kv_record_with_its_sleep_replays_identically"
+STORE_STACK = MEMORY + "test_a_restarted_int8_reasoning_server_reads_the_prefix_from_the_store"
+STORE_REPLAY = MEMORY + "test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store"
 
 CELLS: dict[tuple[str, str], Cell] = {
     ("tp", "gguf"): refused(
@@ -415,6 +431,156 @@ CELLS: dict[tuple[str, str], Cell] = {
         REC_INT8, note="Both on in one server: the request is one span and one arrival."
     ),
     ("tracing", "cuda"): not_run(NO_GPU),
+    # -- the quantized KV cache (--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2) -------------------
+    ("tp", "kvdtype"): refused(
+        "kv_cache_dtype int8 is not supported with tensor parallelism",
+        KV_REFUSED.format("engine_args0-tensor parallelism"),
+        note="The other ranks' pools are in the model dtype.",
+    ),
+    ("gguf", "kvdtype"): works(
+        KV_DTYPE + "test_perplexity_with_int8_kv_is_within_half_a_percent",
+        "tests/test_kv_cache_dtype_server.py::test_http_and_grpc_answer_from_an_int8_pool",
+        note="int8 K/V run the native step on the blocks; fp8 runs the PyTorch forward.",
+    ),
+    ("int8", "kvdtype"): works(KV_STACK, KV_SLEEP),
+    ("lora", "kvdtype"): works(KV_DTYPE + "test_lora_on_int8"),
+    ("spec", "kvdtype"): works(
+        KV_DTYPE + "test_ngram_speculative_decoding_on_int8",
+        note="Tested with ngram drafts; a draft model keeps its own pool in its model dtype.",
+    ),
+    ("structured", "kvdtype"): works(KV_DTYPE + "test_structured_output_on_int8"),
+    ("grpc", "kvdtype"): works(
+        "tests/test_kv_cache_dtype_server.py::test_http_and_grpc_answer_from_an_int8_pool"
+    ),
+    ("router", "kvdtype"): works(
+        MEMORY_SERVER + "test_the_router_in_front_of_an_int8_kv_worker_answers_as_the_worker",
+        note="Each worker chooses its own pool dtype.",
+    ),
+    ("reasoning", "kvdtype"): works(KV_STACK, KV_SLEEP),
+    ("embed", "kvdtype"): works(
+        MEMORY + "test_the_pooling_runner_embeds_from_an_int8_kv_cache_like_float32",
+        note="A prefill from position 0 attends to its own K/V before they are quantized.",
+    ),
+    ("messages", "kvdtype"): works(MEMORY + "test_an_int8_kv_cache_answers_an_anthropic_message"),
+    ("priority", "kvdtype"): works(KV_STACK),
+    ("tokenio", "kvdtype"): works(KV_STACK, KV_SLEEP),
+    ("recorder", "kvdtype"): works(KV_STACK, KV_REPLAY),
+    ("tracing", "kvdtype"): works(KV_STACK),
+    ("kvdtype", "cuda"): not_run(NO_GPU),
+    # -- sleep mode (--enable-sleep-mode, --sleep-idle-seconds) ------------------------------
+    ("tp", "sleep"): refused(
+        "enable_sleep_mode is not supported with tensor parallelism",
+        SLEEP + "test_sleep_mode_with_tensor_parallelism_is_refused_at_start[argv0]",
+        SLEEP + "test_sleep_mode_with_tensor_parallelism_is_refused_at_start[argv1]",
+        note="The other ranks hold their own pools; `--sleep-idle-seconds` is refused alike.",
+    ),
+    ("gguf", "sleep"): works(
+        SLEEP + "test_gguf_blocks_and_the_native_step_across_a_sleep[1]",
+        SLEEP + "test_gguf_blocks_and_the_native_step_across_a_sleep[2]",
+        note="The native step is rebuilt on the new pool; level 2 reloads the blocks.",
+    ),
+    ("int8", "sleep"): works(KV_SLEEP, note="Level 2 reloads and quantizes the weights again."),
+    ("lora", "sleep"): works(
+        SLEEP + "test_lora_across_a_sleep_level_1_and_level_2_refused",
+        note="Level 1; level 2 is a 400 (`sleep level 2 is not supported with LoRA adapters`).",
+    ),
+    ("spec", "sleep"): works(
+        SLEEP + "test_speculative_decoding_across_a_sleep[ngram]",
+        SLEEP + "test_speculative_decoding_across_a_sleep[draft_model]",
+        note="ngram at both levels; a draft model at level 1 (level 2 is a 400).",
+    ),
+    ("structured", "sleep"): works(SLEEP + "test_structured_output_across_a_sleep"),
+    ("grpc", "sleep"): works(
+        SLEEP_SERVER + "test_grpc_requests_while_asleep_are_unavailable",
+        note="Calls while asleep end with `UNAVAILABLE`; the sleep routes are HTTP only.",
+    ),
+    ("router", "sleep"): works(
+        SLEEP_SERVER + "test_the_router_passes_a_sleeping_workers_503_on",
+        note="A sleeping worker's 503 is retried on another worker or passed on.",
+    ),
+    ("reasoning", "sleep"): works(KV_SLEEP),
+    ("embed", "sleep"): works(
+        MEMORY + "test_the_pooling_runner_embeds_the_same_across_a_sleep[1]",
+        MEMORY + "test_the_pooling_runner_embeds_the_same_across_a_sleep[2]",
+    ),
+    ("messages", "sleep"): works(
+        KV_SLEEP, note="While asleep `/v1/messages` is a 503 too; after the wake, the same text."
+    ),
+    ("priority", "sleep"): works(KV_SLEEP),
+    ("tokenio", "sleep"): works(
+        KV_SLEEP, note="The same token ids and prompt logprobs before the sleep and after."
+    ),
+    ("recorder", "sleep"): works(
+        KV_REPLAY,
+        note="A sleep is recorded (`sleeps` in the next step) and replayed: the prefix cache "
+        "it emptied stays empty in the replay.",
+    ),
+    ("tracing", "sleep"): works(KV_SLEEP),
+    ("kvdtype", "sleep"): works(
+        KV_DTYPE + "test_sleep_and_wake_keep_the_int8_cache",
+        KV_SLEEP,
+        note="The wake makes a fresh pool of the same dtype.",
+    ),
+    ("sleep", "cuda"): not_run(NO_GPU),
+    # -- the KV offload directory (--kv-offload-dir) -----------------------------------------
+    ("tp", "offload"): refused(
+        "kv_offload_dir is not supported with tensor parallelism",
+        OFFLOAD_REFUSED.format("tensor-parallel"),
+        note="Each rank holds a shard of the KV heads.",
+    ),
+    ("gguf", "offload"): works(
+        OFFLOAD + "test_a_new_engine_loads_the_blocks_the_last_one_wrote[auto]",
+        OFFLOAD + "test_blocks_of_another_dtype_weight_format_or_layout_never_load[weight-format]",
+        note="The weight format is in the key: dense and GGUF-block K/V never mix.",
+    ),
+    ("int8", "offload"): works(STORE_STACK),
+    ("lora", "offload"): works(
+        OFFLOAD + "test_blocks_are_kept_apart_by_adapter_and_cache_salt",
+        note="The adapter's weights are in the key.",
+    ),
+    ("spec", "offload"): works(
+        OFFLOAD + "test_speculative_decoding_reads_the_store_too",
+        note="Only accepted tokens' blocks are written.",
+    ),
+    ("structured", "offload"): works(MEMORY + "test_a_schema_constrained_chat_reads_the_store"),
+    ("grpc", "offload"): works(
+        MEMORY_SERVER + "test_grpc_reads_a_prefix_from_the_store_after_the_pool_forgot_it"
+    ),
+    ("router", "offload"): works(
+        MEMORY_SERVER + "test_the_router_in_front_of_a_store_worker_gets_the_prefix_from_the_store",
+        note="Each worker has its own pool; give each its own directory.",
+    ),
+    ("reasoning", "offload"): works(STORE_STACK),
+    ("embed", "offload"): refused(
+        "kv_offload_dir extends the prefix cache: it needs prefix caching on",
+        OFFLOAD_REFUSED.format("pooling"),
+        note="A pooling runner caches no prefixes.",
+    ),
+    ("messages", "offload"): works(MEMORY + "test_a_message_reads_the_store"),
+    ("priority", "offload"): works(STORE_STACK),
+    ("tokenio", "offload"): works(
+        STORE_STACK,
+        MEMORY + "test_prompt_logprobs_compute_the_prompt_instead_of_reading_the_store",
+        note="A request with `prompt_logprobs` computes its whole prompt (no hit is read).",
+    ),
+    ("recorder", "offload"): works(
+        STORE_REPLAY,
+        note="A replay reads no directory unless `replay --kv-offload-dir DIR` names one: a "
+        "prefix the server read from it is computed, and the replay says where it differs.",
+    ),
+    ("tracing", "offload"): works(STORE_STACK),
+    ("kvdtype", "offload"): refused(
+        "kv_cache_dtype fp8 is not supported with kv_offload_dir",
+        KV_REFUSED.format("engine_args1-kv_offload_dir"),
+        note="The block file format has no scales yet; int8 is refused alike.",
+    ),
+    ("sleep", "offload"): works(
+        OFFLOAD + "test_after_sleep_the_empty_pool_refills_from_the_store[1]",
+        OFFLOAD + "test_after_sleep_the_empty_pool_refills_from_the_store[2]",
+        SLEEP + "test_the_kv_offload_tier_outlives_a_sleep[1]",
+        note="The sleep forgets the pool's prefixes, not the directory's.",
+    ),
+    ("offload", "cuda"): not_run(NO_GPU),
 }
 
 MARKS = {"works": "✅", "refused": "⛔", "not run": "❔"}

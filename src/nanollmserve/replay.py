@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nanollmserve.errors import UserError
+from nanollmserve.kv_transfer import KVTransferParams
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.structured_outputs import StructuredOutputsParams, ThinkingSpan
 
@@ -76,7 +77,9 @@ def replay(record: Record, overrides: dict | None = None) -> ReplayResult:
     from nanollmserve.llm import LLM  # loads torch: only when a replay really runs
 
     _check_replayable(record)
-    config = {**record.header["config"], **(overrides or {})}
+    # The directory's contents at the time are not in the record, and a replay must not
+    # write into it: prefixes come from the pool only, unless --kv-offload-dir is given.
+    config = {**record.header["config"], "kv_offload_dir": None, **(overrides or {})}
     config["step_record"] = max(1, len(record.steps))
     llm = LLM(**config)
     try:
@@ -110,7 +113,15 @@ def _check_replayable(record: Record) -> None:
 def _replay_steps(llm, steps: list[dict]) -> ReplayResult:
     engine = llm.engine
     for number, recorded in enumerate(steps, 1):
-        for arrival in recorded["arrivals"]:
+        arrived = 0
+        for sleep in recorded.get("sleeps", ()):  # the engine was empty: earlier ones aborted
+            for arrival in recorded["arrivals"][arrived : sleep["after_arrivals"]]:
+                engine.add_request(_core_request(llm, arrival))
+            arrived = sleep["after_arrivals"]
+            engine.abort_requests(recorded["aborts"])
+            engine.sleep(sleep["level"])
+            engine.wake_up()
+        for arrival in recorded["arrivals"][arrived:]:
             engine.add_request(_core_request(llm, arrival))
         engine.abort_requests(recorded["aborts"])
         engine.step()
@@ -146,6 +157,8 @@ def sampling_params_from_json(values: dict) -> SamplingParams:
         if thinking is not None:
             parsed = dataclasses.replace(parsed, after_thinking=ThinkingSpan(**thinking))
         values["structured_outputs"] = parsed
+    if values.get("kv_transfer_params") is not None:
+        values["kv_transfer_params"] = KVTransferParams(**values["kv_transfer_params"])
     return SamplingParams(**values)
 
 

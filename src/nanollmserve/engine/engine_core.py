@@ -276,6 +276,8 @@ class EngineCore:
             raise RuntimeError("the engine can only sleep with no request in it")
         if self.sleep_level is not None and self.sleep_level >= level:
             return
+        if self.flight_recorder is not None:  # replay sleeps too: the prefix cache empties
+            self.flight_recorder.add_sleep(level)
         self.reset()  # the prefix cache describes a pool about to be gone
         for runner in self._model_runners():
             if not runner.kv_cache_released:

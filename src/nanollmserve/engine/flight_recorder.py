@@ -56,10 +56,11 @@ class StepRecord(NamedTuple):
     num_running: int
     num_used_blocks: int
     inputs: list[tuple]
-    """("add", request id, prompt token ids, SamplingParams, arrival time, LoRA name) and
-    ("abort", request ids) that reached the engine since the previous step. Their order
-    within one gap cannot change a schedule (adding allocates nothing, request ids are
-    unique), so the schema lists them as `arrivals` and `aborts`."""
+    """("add", request id, prompt token ids, SamplingParams, arrival time, LoRA name),
+    ("abort", request ids) and ("sleep", level) that reached the engine since the previous
+    step. The order of arrivals and aborts within one gap cannot change a schedule (adding
+    allocates nothing, request ids are unique), so the schema lists them as `arrivals` and
+    `aborts`; a sleep's place among the arrivals is kept (`sleeps`)."""
 
     def to_json(self) -> dict:
         """The record in the documented schema (one JSON object per step)."""
@@ -117,6 +118,7 @@ class StepRecord(NamedTuple):
             "grammar_masks": grammar_masks,
             "arrivals": [_arrival_json(item) for item in self.inputs if item[0] == "add"],
             "aborts": [rid for item in self.inputs if item[0] == "abort" for rid in item[1]],
+            **_sleeps_json(self.inputs),
         }
 
 
@@ -140,6 +142,9 @@ class FlightRecorder:
 
     def add_aborts(self, request_ids: list[str]) -> None:
         self._inputs.append(("abort", tuple(request_ids)))
+
+    def add_sleep(self, level: int) -> None:
+        self._inputs.append(("sleep", level))
 
     def take_inputs(self) -> list[tuple]:
         inputs, self._inputs = self._inputs, []
@@ -216,6 +221,19 @@ def _block_events_json(events) -> list[dict]:
         {"request_id": rid, "allocated": a, "freed": f, "prefix_hit": h, "evicted": e}
         for rid, (a, f, h, e) in totals.items()
     ]
+
+
+def _sleeps_json(inputs: list[tuple]) -> dict:
+    """`sleeps`, only in a step whose gap held one: each sleep's level and how many of the
+    gap's arrivals came before it (a sleep empties the prefix cache, so where it falls
+    changes what later requests find; the engine was empty, so those arrivals were aborted)."""
+    sleeps, num_arrivals = [], 0
+    for item in inputs:
+        if item[0] == "add":
+            num_arrivals += 1
+        elif item[0] == "sleep":
+            sleeps.append({"level": item[1], "after_arrivals": num_arrivals})
+    return {"sleeps": sleeps} if sleeps else {}
 
 
 def _arrival_json(item: tuple) -> dict:

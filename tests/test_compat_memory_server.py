@@ -1,0 +1,81 @@
+"""The memory features through the router and gRPC (compatibility matrix, m25), on `serve`
+processes (tests/compat_stack.py: a worker with its gRPC port and a router in front of it):
+
+- a worker whose KV pool is int8 (`--kv-cache-dtype int8`) answers through the router as
+  it answers directly;
+- a worker with `--kv-offload-dir` and sleep mode: after a sleep emptied its pool, a prefix
+  is read back from the directory for a gRPC call and for a chat through the router.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from cluster_process import tiny_model_dir
+from compat_stack import CompatStack
+
+pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(300)]
+
+PROMPT = "Once upon a time, " + " ".join(f"item {i} costs {i % 7} coins;" for i in range(12))
+
+
+def complete(base_url: str) -> dict:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    answer = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def empty_the_pool(stack: CompatStack) -> None:
+    """A level-1 sleep and a wake: the pool, and every prefix it held, are gone."""
+    for path, params in (("/sleep", {"level": "1"}), ("/wake_up", {})):
+        answer = httpx.post(f"{stack.worker.url}{path}", params=params, timeout=120)
+        assert answer.status_code == 200, answer.text
+
+
+@pytest.fixture(scope="module")
+def int8_kv():
+    stack = CompatStack.start(
+        "--model", str(tiny_model_dir()), "--served-model-name", "tiny",
+        "--kv-cache-dtype", "int8",
+    )  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+def test_the_router_in_front_of_an_int8_kv_worker_answers_as_the_worker(int8_kv):
+    assert "torch.int8 codes" in int8_kv.worker.log()
+    direct = complete(int8_kv.worker.url)
+    routed = complete(int8_kv.router.url)
+    assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert routed["usage"]["completion_tokens"] == 8
+
+
+@pytest.fixture(scope="module")
+def offload(tmp_path_factory):
+    stack = CompatStack.start(
+        "--model", str(tiny_model_dir()), "--served-model-name", "tiny",
+        "--kv-offload-dir", str(tmp_path_factory.mktemp("kv-offload")), "--enable-sleep-mode",
+    )  # fmt: skip
+    yield stack
+    stack.stop()
+
+
+def test_grpc_reads_a_prefix_from_the_store_after_the_pool_forgot_it(offload):
+    async def generate(client):
+        return await client.generate(PROMPT, max_tokens=8, temperature=0)
+
+    cold = offload.grpc(generate)
+    assert cold.cached_tokens == 0
+    empty_the_pool(offload)
+    warm = offload.grpc(generate)
+    assert warm.cached_tokens >= 16
+    assert warm.text == cold.text
+
+
+def test_the_router_in_front_of_a_store_worker_gets_the_prefix_from_the_store(offload):
+    cold = complete(offload.router.url)
+    empty_the_pool(offload)
+    warm = complete(offload.router.url)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
