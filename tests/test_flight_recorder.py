@@ -123,7 +123,10 @@ def test_trace_export_writes_a_chrome_trace(recorded_run, tmp_path):
     assert sum(e["name"].startswith("step ") for e in slices) == len(steps)
     assert any(e["name"] == "queued" for e in slices)
     assert any(e["ph"] == "i" and e["name"] == "preempted (kv_cache_full)" for e in events)
+    assert any(e["ph"] == "i" and e["name"].startswith("prefix hit (") for e in events)
     assert sum(e["ph"] == "i" and e["name"].startswith("finished") for e in events) == 4
+    # Perfetto merges thread id 0 into the process's main thread: the step track would vanish.
+    assert all(e["tid"] != 0 for e in events if e["name"] == "thread_name")
 
 
 @pytest.mark.milestone("m24")

@@ -5,7 +5,8 @@ and a `step` track whose slices span whole steps (their args: batch size, tokens
 lengths), plus counters for the queues and the KV blocks in use. Process 2, "requests",
 has one track per request: a `queued` slice from its arrival to its first step, then a
 slice per step it ran in (`prefill N` or `decode`, over the model phase of that step), and
-instant markers where it was preempted, finished or aborted.
+instant markers where it found blocks in the prefix cache, was preempted, finished or was
+aborted. No track has thread id 0: Perfetto merges that one into the process's main thread.
 
 Input: the step objects of a record (`nanollmserve/replay.py` reads them), in the schema of
 docs/features/flight-recorder.md.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 PHASES = ("propose", "schedule", "model", "update")
-STEP_TID = 0
+STEP_TID = 1  # the phases follow it: 2, 3, ...
 
 
 def chrome_trace(steps: list[dict]) -> dict:
@@ -25,7 +26,7 @@ def chrome_trace(steps: list[dict]) -> dict:
         _meta("process_name", REQUESTS_PID, 0, "requests"),
         _meta("thread_name", ENGINE_PID, STEP_TID, "step"),
     ]
-    for tid, phase in enumerate(PHASES, 1):
+    for tid, phase in enumerate(PHASES, STEP_TID + 1):
         events.append(_meta("thread_name", ENGINE_PID, tid, phase))
     if not steps:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -62,7 +63,7 @@ def chrome_trace(steps: list[dict]) -> dict:
         )
         phase_start = {}
         offset = start
-        for tid, phase in enumerate(PHASES, 1):
+        for tid, phase in enumerate(PHASES, STEP_TID + 1):
             phase_start[phase] = offset
             events.append(_slice(phase, ENGINE_PID, tid, offset, durations[phase] * 1e3))
             offset += durations[phase] * 1e3
@@ -90,6 +91,11 @@ def chrome_trace(steps: list[dict]) -> dict:
                     {"step": step["step"], **entry},
                 )
             )
+        for blocks in step["kv_blocks"]["requests"]:
+            if blocks["prefix_hit"]:
+                tid = request_tid(blocks["request_id"])
+                name = f"prefix hit ({blocks['prefix_hit']} blocks)"
+                events.append(_instant(name, tid, start, blocks))
         for preemption in step["preemptions"]:
             tid = request_tid(preemption["request_id"])
             events.append(_instant(f"preempted ({preemption['reason']})", tid, start, preemption))
