@@ -130,7 +130,7 @@ def test_tokenize_detokenize(server):
 
 
 def test_health_and_stats(server):
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "kv_role": "both"}
     stats = server.stats()
     for key in (
         "num_requests_running",

@@ -16,6 +16,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from nanollmserve.errors import ParamError
+from nanollmserve.kv_transfer import KVTransferParams
 from nanollmserve.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -66,8 +67,12 @@ class SamplingParams:
     priority: int = 0
     """Under `--scheduling-policy priority`: lower runs first, and may preempt a running
     request of a higher value when the KV pool is full. Must be 0 under fcfs."""
+    kv_transfer_params: KVTransferParams | None = None
+    """Prefill/decode disaggregation (`kv_transfer.py`; a dict of its fields is accepted
+    too): phase 1 hands the prompt's KV blocks on through the `--kv-offload-dir` store."""
 
     def __post_init__(self) -> None:
+        self.kv_transfer_params = KVTransferParams.from_value(self.kv_transfer_params)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
@@ -153,6 +158,13 @@ class SamplingParams:
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                 f"characters, got {length}",
                 param="cache_salt",
+            )
+        transfer = self.kv_transfer_params
+        if transfer is not None and transfer.do_remote_decode and self.n != 1:
+            raise ParamError(
+                f"kv_transfer_params: do_remote_decode hands on one sequence: n must be 1, "
+                f"got {self.n}",
+                param="kv_transfer_params",
             )
         if self.logit_bias:
             check(

@@ -235,6 +235,13 @@ class SamplingExtensions(OpenAIBaseModel):
     return_token_ids: bool | None = Field(
         default=None, strict=True, description="Add the prompt's and each choice's token ids."
     )
+    kv_transfer_params: dict | None = Field(
+        default=None,
+        description='Prefill/decode disaggregation (vLLM\'s name): {"do_remote_decode": true} '
+        "(answer once the prompt's KV blocks are in the --kv-offload-dir store) or "
+        '{"do_remote_prefill": true, "remote_tokens": N, "remote_blocks": B, '
+        '"first_token_id": T}.',
+    )
 
     def structured_outputs_params(self):
         """(StructuredOutputsParams or None, the request field that asked for it)."""
@@ -274,12 +281,15 @@ class SamplingExtensions(OpenAIBaseModel):
             cache_salt=self.cache_salt,
             priority=self.priority,
             prompt_logprobs=self.prompt_logprobs,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
 # -- server state ------------------------------------------------------------------------------
 class HealthResponse(OpenAIBaseModel):
     status: Literal["ok"] = "ok"
+    kv_role: Literal["prefill", "decode", "both"] = "both"
+    """`--kv-role`: what the router's pd policy sends here (prefill/decode disaggregation)."""
 
 
 class SpecDecodeStatsResponse(OpenAIBaseModel):

@@ -28,6 +28,7 @@ from nanollmserve.api.protocol import (
     UsageInfo,
 )
 from nanollmserve.api.protocol_base import PromptLogprobsJSON, TokenIOModel
+from nanollmserve.api.protocol_kv_transfer import KVTransferResultJSON
 from nanollmserve.api.protocol_tools import (
     ChatCompletionMessageToolCall,
     ChatCompletionToolParam,
@@ -197,6 +198,8 @@ class ChatCompletionResponse(TokenIOModel):
     """With `return_token_ids`: the rendered prompt's token ids."""
     prompt_logprobs: PromptLogprobsJSON | None = None
     """With `prompt_logprobs` (vLLM's shape)."""
+    kv_transfer_params: KVTransferResultJSON | None = None
+    """With `kv_transfer_params` {"do_remote_decode": true}: what the store now holds."""
 
 
 class DeltaMessage(OpenAIBaseModel):

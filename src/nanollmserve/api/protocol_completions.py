@@ -25,6 +25,7 @@ from nanollmserve.api.protocol import (
 )
 from nanollmserve.api.protocol_base import PromptLogprobsJSON, TokenIOModel
 from nanollmserve.api.protocol_chat import ResponseFormat
+from nanollmserve.api.protocol_kv_transfer import KVTransferResultJSON
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 
@@ -122,7 +123,7 @@ class CompletionResponseChoice(TokenIOModel):
     """With `return_token_ids`: this choice's (a stream chunk's) new token ids."""
 
 
-class CompletionResponse(OpenAIBaseModel):
+class CompletionResponse(TokenIOModel):
     """Both the response and, with `stream`, each chunk (finish_reason None until the end)."""
 
     id: str
@@ -132,3 +133,5 @@ class CompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: KVTransferResultJSON | None = None
+    """With `kv_transfer_params` {"do_remote_decode": true}: what the store now holds."""

@@ -86,7 +86,7 @@ async def health(ctx: Ctx):
     """200 while the engine loop is alive and accepting requests, 503 otherwise."""
     if not ctx.engine.is_accepting:
         return error_response(503, "engine is not available", code="engine_unavailable")
-    return HealthResponse()
+    return HealthResponse(kv_role=ctx.settings.kv_role)
 
 
 @router.get(

@@ -75,6 +75,9 @@ class ServerSettings:
     generation request a span (HTTP and gRPC); None: tracing off."""
     enable_debug_endpoints: bool = False
     """GET /debug/steps (the engine's flight record) is served (404 otherwise)."""
+    kv_role: str = "both"
+    """`--kv-role` (prefill | decode | both), reported by /health for the router's pd
+    policy (prefill/decode disaggregation)."""
 
 
 class ServerContext:

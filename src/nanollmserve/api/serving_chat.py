@@ -38,6 +38,7 @@ from nanollmserve.api.protocol_chat import (
     DeltaMessage,
     TopLogprob,
 )
+from nanollmserve.api.protocol_kv_transfer import check_kv_transfer, kv_transfer_result
 from nanollmserve.api.protocol_tools import (
     ChatCompletionMessageToolCall,
     DeltaFunctionCall,
@@ -78,6 +79,7 @@ async def create_chat_completion(
         parallel_tool_calls=body.parallel_tool_calls,
     )
     params = with_tool_grammar(ctx.make_params(body.to_sampling_params, _PARAM_ALIASES), plan)
+    check_kv_transfer(params, stream=body.stream)
     prompt_token_ids = await ctx.engine.chat_token_ids(
         body.message_dicts(), plan.template_tools, **body.chat_template_options()
     )
@@ -145,6 +147,7 @@ async def create_chat_completion(
         choices=choices,
         usage=usage_of([output]),
         **_prompt_token_io(body, output),
+        kv_transfer_params=await kv_transfer_result(ctx, params, output, model),
     )
     return JSONResponse(response.model_dump())
 

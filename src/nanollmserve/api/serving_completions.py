@@ -24,6 +24,7 @@ from nanollmserve.api.protocol_completions import (
     CompletionResponse,
     CompletionResponseChoice,
 )
+from nanollmserve.api.protocol_kv_transfer import check_kv_transfer, kv_transfer_result
 from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.serving import (
     ServerContext,
@@ -45,6 +46,7 @@ async def create_completion(
         raise bad_request("suffix is not supported", "suffix")
     params = ctx.make_params(body.to_sampling_params)
     prompts = body.prompts()
+    check_kv_transfer(params, stream=body.stream, num_prompts=len(prompts))
     request_id = random_id("cmpl-")
     try:
         streams = await ctx.add_requests(
@@ -81,7 +83,12 @@ async def create_completion(
                 )
             )
     response = CompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=usage_of(outputs)
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage_of(outputs),
+        kv_transfer_params=await kv_transfer_result(ctx, params, outputs[0], model),
     )
     return JSONResponse(response.model_dump())
 

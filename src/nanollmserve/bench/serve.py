@@ -27,7 +27,7 @@ import time
 
 from nanollmserve.bench import serve_workloads as workloads
 from nanollmserve.bench.report import add_common_args, emit, log, ratio
-from nanollmserve.bench.serve_metrics import parse_goodput, summarize
+from nanollmserve.bench.serve_metrics import parse_goodput, summarize, summarize_kinds
 from nanollmserve.errors import UserError
 
 PRESETS = {
@@ -78,6 +78,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--output-len", default=None, help="N or LOW-HIGH tokens (default 128)")
     load.add_argument("--num-groups", type=int, default=4, help="shared-prefix: prompt groups")
     load.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens")
+    load.add_argument(
+        "--long-input-len",
+        default=workloads.DEFAULT_LONG_INPUT_LEN,
+        help="mixed: the long prompts' tokens, N or LOW-HIGH (the short ones: --input-len)",
+    )
+    load.add_argument(
+        "--long-fraction",
+        type=float,
+        default=workloads.DEFAULT_LONG_FRACTION,
+        help="mixed: the share of long prompts, 0 to 1",
+    )
     load.add_argument("--dataset-path", default=None, help="sharegpt: JSON or JSONL file")
     load.add_argument("--max-model-len", type=int, default=2048, help="sharegpt length filter")
     load.add_argument("--prompt-format", choices=["text", "ids"], default="text")
@@ -134,6 +145,11 @@ def build_requests(args: argparse.Namespace, words: workloads.WordTokens, seed: 
         return workloads.shared_prefix_workload(
             words, args.num_prompts, args.num_groups, args.prefix_len,
             args.input_len, args.output_len, seed,
+        )  # fmt: skip
+    if args.workload == "mixed":
+        return workloads.mixed_workload(
+            words, args.num_prompts, args.input_len, args.long_input_len,
+            args.long_fraction, args.output_len, seed,
         )  # fmt: skip
     return workloads.random_workload(words, args.num_prompts, args.input_len, args.output_len, seed)
 
@@ -213,6 +229,8 @@ async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, l
             )
         await backend.fill_missing_counts(requests, results)
         summary = {"max_concurrency": level, **summarize(results, duration, peak, slos)}
+        if any(request.kind for request in requests):
+            summary["by_kind"] = summarize_kinds(requests, results)
         if (server := stats_delta(before, await backend.server_stats())) is not None:
             summary["server"] = server
         if args.save_detailed:
@@ -246,6 +264,8 @@ async def benchmark(args, backend, words: workloads.WordTokens) -> tuple[dict, l
     }
     if args.workload == "shared-prefix":
         head.update(num_groups=args.num_groups, prefix_len=args.prefix_len)
+    if args.workload == "mixed":
+        head.update(long_input_len=args.long_input_len, long_fraction=args.long_fraction)
     if args.sweep_concurrency:
         return {**head, "sweep": runs}, raw
     return {**head, **runs[0]}, raw
@@ -332,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise UserError("--num-prompts must be >= 1")
     parse_goodput(args.goodput)  # fail on a typo before a server starts
+    if not 0.0 <= args.long_fraction <= 1.0:
+        raise UserError(f"--long-fraction must be within [0, 1], got {args.long_fraction}")
     if args.hf_baseline and args.endpoint != "embeddings":
         raise UserError("--hf-baseline needs --endpoint embeddings")
     words = workloads.WordTokens(load_tokenizer(resolve_model(args.tokenizer).path))

@@ -5,6 +5,8 @@
 - Throughputs divide by the benchmark's duration (first send -> last response).
 - Goodput: completed requests per second that met every SLO given as
   `--goodput ttft:MS tpot:MS e2el:MS`.
+- `by_kind` (the mixed workload): the latencies of each kind of request on its own, so the
+  short turns' TTFT and ITL show what the long prompts among them cost them.
 """
 
 from __future__ import annotations
@@ -95,3 +97,22 @@ def summarize(
     if errors:
         summary["errors"] = errors[:5]
     return summary
+
+
+def summarize_kinds(requests: list, results: list[RequestResult]) -> dict:
+    """Per request kind (`ServeRequest.kind`): its count, failures and latency spreads."""
+    kinds: dict[str, list[RequestResult]] = {}
+    for request, result in zip(requests, results, strict=True):
+        kinds.setdefault(request.kind, []).append(result)
+    summaries = {}
+    for kind, kind_results in sorted(kinds.items()):
+        done = [r for r in kind_results if r.success]
+        summaries[kind] = {
+            "completed": len(done),
+            "failed": len(kind_results) - len(done),
+            "ttft_ms": distribution_ms([r.ttft for r in done]),
+            "tpot_ms": distribution_ms([r.tpot for r in done if r.tpot is not None]),
+            "itl_ms": distribution_ms([gap for r in done for gap in r.itl]),
+            "e2el_ms": distribution_ms([r.e2e for r in done]),
+        }
+    return summaries

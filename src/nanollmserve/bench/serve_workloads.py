@@ -1,4 +1,6 @@
-"""The request mixes of `nanollmserve bench serve`: `random`, `shared-prefix` and `sharegpt`.
+"""The request mixes of `nanollmserve bench serve`: `random`, `shared-prefix`, `sharegpt` and
+`mixed` (mostly short chat turns among a few long prompts, the traffic where a long prefill
+stalls the decodes it joins: what prefill/decode disaggregation is for).
 
 Prompts are text by default, the portable form every OpenAI-compatible server accepts. The
 text is a run of words that are each exactly one token of the local tokenizer (` ocean`,
@@ -17,7 +19,9 @@ from pathlib import Path
 
 from nanollmserve.bench.workload import parse_range
 
-WORKLOADS = ("random", "shared-prefix", "sharegpt")
+WORKLOADS = ("random", "shared-prefix", "sharegpt", "mixed")
+DEFAULT_LONG_INPUT_LEN = "2000-2200"
+DEFAULT_LONG_FRACTION = 0.2
 
 
 @dataclass
@@ -32,6 +36,8 @@ class ServeRequest:
     completions puts it before the prompt."""
     group: int = -1
     """Which shared prefix this request uses (shared-prefix), -1 for none."""
+    kind: str = ""
+    """mixed: "short" or "long" (the benchmark also reports each kind on its own)."""
 
     @property
     def prompt_len(self) -> int:
@@ -124,6 +130,33 @@ def shared_prefix_workload(
                 group=group,
             )
         )
+    return requests
+
+
+def mixed_workload(
+    words: WordTokens,
+    num_prompts: int,
+    input_len: str,
+    long_input_len: str,
+    long_fraction: float,
+    output_len: str,
+    seed: int,
+) -> list[ServeRequest]:
+    """Short turns of `input_len` tokens and, for `long_fraction` of the requests (rounded),
+    long prompts of `long_input_len` tokens, in a seeded shuffled order; every request
+    gets `output_len` tokens. Each prompt is its own (no shared prefix)."""
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"--long-fraction must be within [0, 1], got {long_fraction}")
+    rng = random.Random(seed)
+    short_range, long_range = parse_range(input_len), parse_range(long_input_len)
+    out_range = parse_range(output_len)
+    num_long = round(num_prompts * long_fraction)
+    kinds = ["long"] * num_long + ["short"] * (num_prompts - num_long)
+    rng.shuffle(kinds)
+    requests = []
+    for kind in kinds:
+        ids = words.sample(rng, rng.randint(*(long_range if kind == "long" else short_range)))
+        requests.append(ServeRequest(words.text(ids), ids, rng.randint(*out_range), kind=kind))
     return requests
 
 

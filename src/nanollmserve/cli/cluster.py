@@ -1,4 +1,8 @@
 """`nanollmserve cluster --workers N [serve flags...]`: N `serve` workers plus the router.
+`--prefill-workers P --decode-workers D` instead: prefill/decode disaggregation, P workers
+with `--kv-role prefill` then D with `--kv-role decode` sharing one `--kv-offload-dir` (a
+fresh directory under /dev/shm, removed at exit, unless one is given), behind the router's
+`--policy pd` (`nanollmserve.cluster.pd_roles`).
 
 Locally (the default) the workers are processes on ports `--base-port`, `--base-port`+1, ...
 of `--worker-host`, one GPU each where there are several, restarted with backoff when they
@@ -13,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 
 from nanollmserve.cli.router import add_router_args, router_settings, setup_logging
 from nanollmserve.errors import UserError
 
 MANAGED_SERVE_FLAGS = ("--host", "--port", "--api-key")
+DEFAULT_WORKERS = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +34,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run N `nanollmserve serve` workers and a router in front of them. "
         "Flags not listed here are serve flags, given to every worker.",
     )
-    parser.add_argument("--workers", type=int, default=2, help="workers (default %(default)s)")
+    parser.add_argument(
+        "--workers", type=int, default=None, help=f"workers (default {DEFAULT_WORKERS})"
+    )
+    parser.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=None,
+        metavar="P",
+        help="prefill/decode disaggregation: P workers with --kv-role prefill (with "
+        "--decode-workers; not with --workers); the router then runs --policy pd",
+    )
+    parser.add_argument(
+        "--decode-workers",
+        type=int,
+        default=None,
+        metavar="D",
+        help="prefill/decode disaggregation: D workers with --kv-role decode (with "
+        "--prefill-workers); they share one --kv-offload-dir with the prefill workers "
+        "(default: a fresh directory under /dev/shm, removed at exit)",
+    )
     parser.add_argument(
         "--base-port", type=int, default=8001, help="first worker's port (default %(default)s)"
     )
@@ -82,17 +107,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run, takes_extra_args=True)
 
 
-def check_serve_args(serve_args: list[str]) -> None:
-    """The workers' flags must be valid `serve` flags; the cluster sets the managed ones."""
+def check_serve_args(serve_args: list[str], role_args: list[str] | None = None) -> None:
+    """The workers' flags must be valid `serve` flags; the cluster sets the managed ones
+    (with `role_args`, a disaggregated worker's own flags: its --kv-role too)."""
     from nanollmserve.cli import serve
 
     for arg in serve_args:
         name = arg.split("=", 1)[0]
-        if name in MANAGED_SERVE_FLAGS:
+        if name in MANAGED_SERVE_FLAGS or (role_args and name == "--kv-role"):
             raise UserError(
                 f"{name} is set by the cluster (--host/--router-port for the router, "
-                "--worker-host/--base-port for the workers, --api-key for both)"
+                "--worker-host/--base-port for the workers, --api-key for both, --kv-role "
+                "with --prefill-workers/--decode-workers)"
             )
+    serve_args = serve_args + (role_args or [])
     parser = argparse.ArgumentParser(prog="nanollmserve cluster")
     serve.register(parser.add_subparsers())
     namespace = parser.parse_args(["serve", *serve_args])  # exits 2 with argparse's line
@@ -112,35 +140,44 @@ def check_port_free(host: str, port: int, what: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nanollmserve.cli.serve import _bind
+    from nanollmserve.cluster.pd_roles import disaggregated_roles
 
     setup_logging(args.log_level)
     serve_args = list(args.extra_args)
+    roles = disaggregated_roles(args, serve_args)
+    if roles is not None:
+        args.workers, args.policy = roles.num_workers, "pd"
+    elif args.workers is None:
+        args.workers = DEFAULT_WORKERS
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     settings = router_settings(args)
-    check_serve_args(serve_args)
-    serve_args += ["--log-level", args.log_level, "--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.metrics_require_auth:  # a router flag that the workers have too
-        serve_args.append("--metrics-require-auth")
-    if args.otlp_traces_endpoint:  # so is this one: both ends of each trace
-        serve_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    worker_key = args.worker_api_key or args.api_key
-    ports = [args.base_port + i for i in range(args.workers)]
-    router_sock = _bind(args.host, args.router_port)
-    try:
-        if args.ray_address is None:
-            workers = _local_workers(args, serve_args, worker_key, ports)
-        else:
-            workers = _ray_workers(args, serve_args, worker_key)
-        from nanollmserve.cluster.launcher import run_cluster
+    store = roles.shared_store() if roles is not None else contextlib.nullcontext()
+    with store as worker_args:
+        check_serve_args(serve_args, worker_args[0] if worker_args else None)
+        serve_args += ["--log-level", args.log_level]
+        serve_args += ["--shutdown-timeout", str(args.shutdown_timeout)]
+        if args.metrics_require_auth:  # a router flag that the workers have too
+            serve_args.append("--metrics-require-auth")
+        if args.otlp_traces_endpoint:  # so is this one: both ends of each trace
+            serve_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        worker_key = args.worker_api_key or args.api_key
+        ports = [args.base_port + i for i in range(args.workers)]
+        router_sock = _bind(args.host, args.router_port)
+        try:
+            if args.ray_address is None:
+                workers = _local_workers(args, serve_args, worker_key, ports, worker_args)
+            else:
+                workers = _ray_workers(args, serve_args, worker_key, worker_args)
+            from nanollmserve.cluster.launcher import run_cluster
 
-        asyncio.run(run_cluster(workers, router_sock, settings, args.log_level))
-    finally:
-        router_sock.close()
+            asyncio.run(run_cluster(workers, router_sock, settings, args.log_level))
+        finally:
+            router_sock.close()
     return 0
 
 
-def _local_workers(args, serve_args: list[str], worker_key: str | None, ports: list[int]):
+def _local_workers(args, serve_args, worker_key, ports, worker_args):
     from nanollmserve.cluster.devices import devices_of_worker, visible_gpus
     from nanollmserve.cluster.local_workers import LocalWorkers
     from nanollmserve.cluster.worker_process import worker_env
@@ -153,12 +190,14 @@ def _local_workers(args, serve_args: list[str], worker_key: str | None, ports: l
     envs = [
         worker_env(worker_key, devices_of_worker(i, gpus, per_worker)) for i in range(len(ports))
     ]
-    workers = LocalWorkers(host, ports, serve_args, envs, args.max_restarts, args.shutdown_timeout)
+    workers = LocalWorkers(
+        host, ports, serve_args, envs, args.max_restarts, args.shutdown_timeout, worker_args
+    )
     workers.start()
     return workers
 
 
-def _ray_workers(args, serve_args: list[str], worker_key: str | None):
+def _ray_workers(args, serve_args, worker_key, worker_args):
     from nanollmserve.cluster.ray_workers import RayWorkers
 
     host = args.worker_host or ("127.0.0.1" if args.ray_address == "local" else None)
@@ -173,14 +212,13 @@ def _ray_workers(args, serve_args: list[str], worker_key: str | None):
         args.worker_num_cpus,
         args.worker_num_gpus,
         args.shutdown_timeout,
+        worker_args,
     )
 
 
 def _tensor_parallel_size(serve_args: list[str]) -> int:
     """Devices one worker needs: its --tensor-parallel-size (1 without it)."""
-    for i, arg in enumerate(serve_args):
-        if arg == "--tensor-parallel-size" and i + 1 < len(serve_args):
-            return max(1, int(serve_args[i + 1]))
-        if arg.startswith("--tensor-parallel-size="):
-            return max(1, int(arg.split("=", 1)[1]))
-    return 1
+    from nanollmserve.cluster.pd_roles import serve_flag_value
+
+    value = serve_flag_value(serve_args, "--tensor-parallel-size")
+    return 1 if value is None else max(1, int(value))

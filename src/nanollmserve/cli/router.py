@@ -20,7 +20,7 @@ from nanollmserve.tracing.flags import add_tracing_args, tracer_from_args
 
 API_KEY_ENV = "NANOLLMSERVE_API_KEY"
 WORKER_API_KEY_ENV = "NANOLLMSERVE_WORKER_API_KEY"
-POLICY_CHOICES = ("round_robin", "least_load", "prefix")
+POLICY_CHOICES = ("round_robin", "least_load", "prefix", "pd")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,9 +49,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--policy",
         choices=POLICY_CHOICES,
-        default="least_load",
+        default=None,
         help="round_robin: in turn; least_load: fewest requests in flight; prefix: requests "
-        "sharing a prompt prefix go to the same worker, bounded by load (default %(default)s)",
+        "sharing a prompt prefix go to the same worker, bounded by load; pd: prefill/decode "
+        "disaggregation, a completion's prefill on a `--kv-role prefill` worker (by prefix), "
+        "the rest on the least loaded `--kv-role decode` one (default: least_load; `cluster "
+        "--prefill-workers`: pd)",
     )
     group.add_argument(
         "--health-interval",
@@ -83,6 +86,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="prefix policy: use the least loaded worker instead when the chosen one has N "
         "more requests in flight (default %(default)s)",
+    )
+    group.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="pd policy: seconds a prefill worker gets for a request's prefill before another "
+        "one tries (none left: the decode worker prefills it) (default %(default)s)",
     )
     group.add_argument(
         "--api-key",
@@ -130,17 +141,20 @@ def router_settings(args: argparse.Namespace):
         raise UserError(f"--prefix-chars must be >= 1, got {args.prefix_chars}")
     if args.balance_threshold < 1:
         raise UserError(f"--balance-threshold must be >= 1, got {args.balance_threshold}")
+    if not 0 < args.prefill_timeout < float("inf"):
+        raise UserError(f"--prefill-timeout must be > 0 seconds, got {args.prefill_timeout}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     sizes = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
     return RouterSettings(
-        policy=args.policy,
+        policy=args.policy or "least_load",
         api_key=args.api_key,
         worker_api_key=args.worker_api_key,
         health_interval=args.health_interval,
         health_failures=args.health_failures,
         prefix_chars=args.prefix_chars,
         balance_threshold=args.balance_threshold,
+        prefill_timeout=args.prefill_timeout,
         metrics_require_auth=args.metrics_require_auth,
         tracer=tracer_from_args(args, "nanollmserve-router"),
         **sizes,

@@ -134,6 +134,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "e.g. '{\"enable_thinking\": false}' (default: none)",
     )
     group.add_argument(
+        "--kv-role",
+        default="both",
+        choices=KV_ROLES,
+        help="prefill/decode disaggregation (the router's --policy pd): prefill workers "
+        "compute prompts and hand their KV blocks on, decode workers generate from them, "
+        "through the --kv-offload-dir store they share (same directory, e.g. on /dev/shm; "
+        "needed by prefill and decode); reported by /health (default %(default)s: both)",
+    )
+    group.add_argument(
         "--grpc-port",
         type=int,
         default=None,
@@ -284,6 +293,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model_pos and "model" in args.env_sources:
         args.model = None  # the positional MODEL beats NANOLLMSERVE_MODEL, as a flag would
     config = engine_config_from_args(args)
+    if args.kv_role != "both" and config.kv_offload_dir is None:
+        raise UserError(
+            f"--kv-role {args.kv_role} needs --kv-offload-dir DIR, the store the prefill and "
+            "decode workers share (the same directory for both, e.g. under /dev/shm)"
+        )
     if config.runner == "pooling" and args.reasoning_parser is not None:
         raise UserError(
             "--reasoning-parser has nothing to parse with --runner pooling "
@@ -390,6 +404,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         enable_debug_endpoints=args.enable_debug_endpoints,
         tracer=args.tracer,
+        kv_role=args.kv_role,
     )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
@@ -515,6 +530,7 @@ def _lora_modules(args: argparse.Namespace, config) -> list[tuple[str, str]]:
 
 
 CORS_FLAGS = ("allowed_origins", "allowed_methods", "allowed_headers")
+KV_ROLES = ("prefill", "decode", "both")
 
 
 def _json_list(args: argparse.Namespace, name: str) -> list[str]:

@@ -53,5 +53,9 @@ async def _log_when_ready(pool: WorkerPool, sock: socket.socket) -> None:
         host,
         port,
         len(pool.all()),
-        " ".join(worker.url for worker in pool.all()),
+        " ".join(_described(worker) for worker in pool.all()),
     )
+
+
+def _described(worker) -> str:
+    return worker.url if worker.kv_role == "both" else f"{worker.url} ({worker.kv_role})"

@@ -32,6 +32,8 @@ class LocalWorker:
     host: str
     port: int
     env: dict[str, str]
+    args: list[str]
+    """Its own serve flags, after the common ones (a disaggregated cluster's --kv-role)."""
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     num_restarts: int = 0
@@ -52,13 +54,15 @@ class LocalWorkers:
         envs: list[dict[str, str]],
         max_restarts: int = -1,
         stop_timeout: float = 30.0,
+        worker_args: list[list[str]] | None = None,
     ) -> None:
         self.serve_args = serve_args
         self.max_restarts = max_restarts
         self.stop_timeout = stop_timeout
+        worker_args = worker_args or [[] for _ in ports]
         self.workers = [
-            LocalWorker(i, host, port, env)
-            for i, (port, env) in enumerate(zip(ports, envs, strict=True))
+            LocalWorker(i, host, port, env, args)
+            for i, (port, env, args) in enumerate(zip(ports, envs, worker_args, strict=True))
         ]
 
     @property
@@ -70,7 +74,7 @@ class LocalWorkers:
             self._launch(worker)
 
     def _launch(self, worker: LocalWorker) -> None:
-        command = serve_command(worker.host, worker.port, self.serve_args)
+        command = serve_command(worker.host, worker.port, self.serve_args + worker.args)
         worker.process = start_worker_process(command, worker.env)
         worker.started_at = time.monotonic()
         worker.restart_at = None

@@ -72,6 +72,7 @@ class RayWorkers:
         num_cpus: float,
         num_gpus: float | None,
         stop_timeout: float = 30.0,
+        worker_args: list[list[str]] | None = None,
     ) -> None:
         try:
             import ray
@@ -91,10 +92,11 @@ class RayWorkers:
         if num_gpus is None:  # one GPU per worker where the cluster has GPUs
             num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
         actor_class = ray.remote(ServeWorkerActor)
+        worker_args = worker_args or [[] for _ in range(num_workers)]
         self.actors = [
             actor_class.options(
                 max_restarts=max_restarts, num_cpus=num_cpus, num_gpus=num_gpus
-            ).remote(host, base_port + i, serve_args, api_key)
+            ).remote(host, base_port + i, serve_args + worker_args[i], api_key)
             for i in range(num_workers)
         ]
         self.stop_timeout = stop_timeout

@@ -3,23 +3,36 @@ bytes and evicted least recently used first.
 
 A block's file is `DIR/<first two hex digits>/<hex name>.kvb`, the name being the block's
 hash. Writes run on one writer thread fed by a queue bounded in bytes (`put`): a file is
-written under a temporary name and renamed into place, so a reader never sees half a file
-from this process, and when the queue is full the block is dropped rather than the engine
-kept waiting. Reads (`read`) run on the caller's thread and mark the file recently used
-(its mtime too, so the order survives a restart). At start the directory is scanned: the
-files it holds count against `max_bytes`, oldest mtime first to go. Nothing here parses a
-block: the caller verifies what it reads and `discard`s a file that fails (a corrupt or
-truncated file is deleted, never loaded).
+written under a temporary name unique to its writer and renamed into place, so no reader,
+in this process or another, ever sees half a file, and when the queue is full the block is
+dropped rather than the engine kept waiting. `when_written` gives a future done once given
+blocks are no longer queued (prefill/decode disaggregation answers after it). Reads (`read`)
+run on the caller's thread and mark the file recently used (its mtime too, so the order
+survives a restart). At start the directory is scanned: the files it holds count against
+`max_bytes`, oldest mtime first to go. Nothing here parses a block: the caller verifies what
+it reads and `discard`s a file that fails (a corrupt or truncated file is deleted, never
+loaded).
+
+Several processes may share one directory (a prefill and a decode worker on /dev/shm): the
+disk, not this index, says what is stored. `contains` finds a file another process wrote
+(and adopts it into this index), a file another process evicted is a miss for `read`, and
+a reader holding a file open keeps reading it whole even when it is deleted or replaced
+meanwhile. Each process bounds by `max_bytes` the files it wrote or adopted, so two writers
+keep at most the sum of their bounds on disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
 import torch
@@ -47,6 +60,8 @@ class KVBlockStore:
         self._pending: set[str] = set()
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
+        self._waiters: list[tuple[set[str], Future]] = []
+        """`when_written`'s futures, each with the names it still waits for."""
         self.num_written = 0
         self.num_dropped = 0
         """Blocks not written because the writer was MAX_PENDING_BYTES behind."""
@@ -68,15 +83,48 @@ class KVBlockStore:
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
     def contains(self, name: str) -> bool:
-        """On disk now (a block still being written is not)."""
-        return name in self._files
+        """On disk now (a block still being written is not), whichever process wrote it: a
+        file another process wrote is adopted into this index, one it deleted forgotten."""
+        try:
+            size = self.path(name).stat().st_size
+        except OSError:
+            self._forget(name)
+            return False
+        with self._lock:
+            if name not in self._files:
+                self._files[name] = size
+                self._bytes += size
+                self._evict()
+        return True
+
+    def num_stored(self, names: Iterable[str]) -> int:
+        """How many of `names`, from the first, are on disk now."""
+        count = 0
+        for name in names:
+            if not self.contains(name):
+                break
+            count += 1
+        return count
+
+    def when_written(self, names: Iterable[str]) -> Future:
+        """A future done (result None) once none of `names` is queued for writing any more:
+        each was written, failed or was dropped. Already done when none is queued."""
+        future: Future = Future()
+        with self._lock:
+            pending = {name for name in names if name in self._pending}
+            if pending:
+                self._waiters.append((pending, future))
+        if not pending:
+            future.set_result(None)
+        return future
 
     def reserve(self, name: str, num_bytes: int) -> bool:
         """Claim the right to `put` a block: False when it is stored or pending already, is
         larger than the whole store, or the writer is too far behind (then it counts as
         dropped). Call before copying the block's K/V out of the pool."""
+        stored = self.contains(name)  # on disk: another process may have evicted it
         with self._lock:
-            if name in self._files or name in self._pending or num_bytes > self.max_bytes:
+            if stored or name in self._pending or num_bytes > self.max_bytes:
                 return False
             if self._pending_bytes + num_bytes > MAX_PENDING_BYTES:
                 self.num_dropped += 1
@@ -96,10 +144,11 @@ class KVBlockStore:
             with open(path, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 num_read = f.readinto(data)
-            os.utime(path)
-        except OSError:
+        except OSError:  # gone: evicted (here or by another process) or never written
             self._forget(name)
             return None
+        with contextlib.suppress(OSError):  # evicted since it was opened: still read whole
+            os.utime(path)
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
@@ -155,11 +204,16 @@ class KVBlockStore:
                     self._bytes += size
                     self.num_written += 1
                     self._evict()
+                done = [future for waiting, future in self._waiters if _settle(waiting, name)]
+                self._waiters = [w for w in self._waiters if w[0]]
+            for future in done:
+                with contextlib.suppress(InvalidStateError):  # cancelled by its waiter
+                    future.set_result(None)
 
     def _write(self, name: str, header: KVBlockHeader, kv: torch.Tensor) -> int:
         path = self.path(name)
         path.parent.mkdir(exist_ok=True)
-        temp = path.with_name(f"{name}.{os.getpid()}.tmp")
+        temp = path.with_name(f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         size = 0
         with open(temp, "wb") as f:
             for buffer in serialize_block(header, kv):
@@ -173,3 +227,11 @@ class KVBlockStore:
             name, size = self._files.popitem(last=False)
             self._bytes -= size
             self.path(name).unlink(missing_ok=True)
+
+
+def _settle(waiting: set[str], name: str) -> bool:
+    """Strike `name` from a waiter's set: True when that was the last one it waited for."""
+    if name not in waiting:
+        return False
+    waiting.discard(name)
+    return not waiting

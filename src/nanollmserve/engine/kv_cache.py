@@ -240,6 +240,11 @@ class KVCacheManager:
         held.num_tokens = num_tokens
         if computed_blocks:  # a fresh request: its cache hits are its first blocks
             held.num_registered = len(computed_blocks)
+            transfer = request.sampling_params.kv_transfer_params
+            if self.offload is not None and transfer is not None and transfer.do_remote_decode:
+                # Phase 1 of prefill/decode disaggregation hands every prompt block on
+                # through the store, its hits too (the store skips those it holds).
+                self._unsaved += [(request, i, b) for i, b in enumerate(computed_blocks)]
         if self.enable_prefix_caching:
             self._register_full_blocks(request, held)
         return True

@@ -101,13 +101,31 @@ class KVOffload:
     def block_digests(self, request: Request, num_blocks: int) -> list[bytes]:
         """The digests naming the request's first `num_blocks` full blocks (grown lazily)."""
         digests = request.block_digests
+        if len(digests) < num_blocks:
+            root = self._root(request.lora, request.sampling_params.cache_salt)
+            self._extend_chain(digests, root, request.all_token_ids, num_blocks)
+        return digests
+
+    def prompt_block_names(
+        self, token_ids: list[int], cache_salt: str | None, adapter=None
+    ) -> list[str]:
+        """The store names of a prompt's full blocks, as a request with this prompt, salt
+        and LoRA adapter (None: the base model) names them: what phase 1 of prefill/decode
+        disaggregation waits for (any thread)."""
+        digests: list[bytes] = []
+        num_blocks = len(token_ids) // self.layout.block_size
+        self._extend_chain(digests, self._root(adapter, cache_salt), token_ids, num_blocks)
+        return [digest.hex() for digest in digests]
+
+    def _extend_chain(
+        self, digests: list[bytes], root: bytes, token_ids: list[int], num_blocks: int
+    ) -> None:
         size = self.layout.block_size
         while len(digests) < num_blocks:
             i = len(digests)
-            parent = digests[i - 1] if i else self._root(request)
-            tokens = request.all_token_ids[i * size : (i + 1) * size]
+            parent = digests[i - 1] if i else root
+            tokens = token_ids[i * size : (i + 1) * size]
             digests.append(_digest(parent, struct.pack(f"<{size}I", *tokens)))
-        return digests
 
     def num_stored(self, request: Request, start: int, stop: int) -> int:
         """How many of blocks start, start + 1, ... (before `stop`) the store holds."""
@@ -166,7 +184,11 @@ class KVOffload:
 
     def _header(self, request: Request, index: int, digests: list[bytes]) -> KVBlockHeader:
         size = self.layout.block_size
-        parent = digests[index - 1] if index else self._root(request)
+        parent = (
+            digests[index - 1]
+            if index
+            else self._root(request.lora, request.sampling_params.cache_salt)
+        )
         return KVBlockHeader(
             layout=self.layout,
             token_ids=tuple(request.all_token_ids[index * size : (index + 1) * size]),
@@ -183,14 +205,14 @@ class KVOffload:
         if header != expected:
             raise KVBlockFormatError("its tokens or hashes are not the ones it is named for")
 
-    def _root(self, request: Request) -> bytes:
-        """What the first block's digest is chained to: the layout, the adapter, the salt."""
+    def _root(self, lora, salt: str | None) -> bytes:
+        """What the first block's digest is chained to: the layout, the LoRA adapter (None:
+        the base model), the cache salt."""
         adapter = b""
-        if request.lora is not None:
-            adapter = self._adapter_digests.get(request.lora.uid)
+        if lora is not None:
+            adapter = self._adapter_digests.get(lora.uid)
             if adapter is None:
-                adapter = self._adapter_digests[request.lora.uid] = adapter_digest(request.lora)
-        salt = request.sampling_params.cache_salt
+                adapter = self._adapter_digests[lora.uid] = adapter_digest(lora)
         salt_bytes = b"" if salt is None else b"\x01" + salt.encode()
         return _digest(self._layout_digest, adapter, salt_bytes)
 

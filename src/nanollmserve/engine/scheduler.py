@@ -74,6 +74,18 @@ class SchedulerOutput:
     """Of those, tokens found in the prefix cache."""
     peak_used_blocks: int = 0
     """The most KV blocks in use at any point while scheduling."""
+    remote_prefill_loaded: int = 0
+    """Of the prompt tokens a prefill worker computed for the requests admitted for the first
+    time (`kv_transfer_params` do_remote_prefill), those found in the pool or the store."""
+    remote_prefill_recomputed: int = 0
+    """Of those, the ones computed again here (missing, corrupt or past the last full block)."""
+
+    def count_remote_prefill(self, request: Request, num_computed: int) -> None:
+        transfer = request.sampling_params.kv_transfer_params
+        if transfer is not None and transfer.do_remote_prefill:
+            remote = min(transfer.remote_tokens, request.num_prompt_tokens)
+            self.remote_prefill_loaded += min(remote, num_computed)
+            self.remote_prefill_recomputed += remote - min(remote, num_computed)
 
     @property
     def total_num_tokens(self) -> int:
@@ -168,6 +180,7 @@ class Scheduler:
                 if self.kv_cache.enable_prefix_caching:  # a resume recomputes: no hit
                     out.prefix_cache_queries += request.num_tokens
                     out.prefix_cache_hits += num_computed
+                out.count_remote_prefill(request, num_computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))

@@ -54,6 +54,11 @@ class EngineStats:
     """The latest step (None before the first); observers read it in `on_step`."""
     spec_decode: SpecDecodeStats | None = None
     """Speculative decoding totals (None when the engine does not speculate)."""
+    remote_prefill_loaded_tokens: int = 0
+    """Prompt tokens of remote-prefill requests (prefill/decode disaggregation) whose KV was
+    found in the pool or read from the store."""
+    remote_prefill_recomputed_tokens: int = 0
+    """Prompt tokens of remote-prefill requests computed again here."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -74,6 +79,8 @@ class EngineCounters:
         self.peak_used_blocks = 0
         self.num_prompt_tokens = 0  # of requests that produced their first token
         self.num_generation_tokens = 0
+        self.remote_prefill_loaded_tokens = 0
+        self.remote_prefill_recomputed_tokens = 0
         self.last_step: StepStats | None = None
 
     def record_schedule(self, scheduled: SchedulerOutput) -> None:
@@ -81,6 +88,8 @@ class EngineCounters:
         self.prefix_cache_queries += scheduled.prefix_cache_queries
         self.prefix_cache_hits += scheduled.prefix_cache_hits
         self.peak_used_blocks = max(self.peak_used_blocks, scheduled.peak_used_blocks)
+        self.remote_prefill_loaded_tokens += scheduled.remote_prefill_loaded
+        self.remote_prefill_recomputed_tokens += scheduled.remote_prefill_recomputed
 
     def record_step(self, step: StepStats) -> None:
         self.num_steps += 1
@@ -101,6 +110,8 @@ class EngineCounters:
             num_steps=self.num_steps,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            remote_prefill_loaded_tokens=self.remote_prefill_loaded_tokens,
+            remote_prefill_recomputed_tokens=self.remote_prefill_recomputed_tokens,
             last_step=self.last_step,
             spec_decode=self.spec_decode.copy() if self.spec_decode is not None else None,
         )

@@ -54,6 +54,7 @@ from nanollmserve.frontend.grammar_pool import GrammarCompilePool
 from nanollmserve.frontend.input_processor import InputProcessor
 from nanollmserve.frontend.request_policy import RequestPolicy
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids
+from nanollmserve.kv_transfer import KVTransferResult
 from nanollmserve.outputs import OutputKind, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.structured_output_limits import StructuredOutputLimits
@@ -61,6 +62,9 @@ from nanollmserve.structured_output_limits import StructuredOutputLimits
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_LEN = 256
+KV_HANDOFF_TIMEOUT_S = 30.0
+"""Longest phase 1 of prefill/decode disaggregation waits for its blocks' writes: past it,
+it answers with the blocks durable by then (the decode worker computes the rest)."""
 
 T = TypeVar("T")
 
@@ -311,6 +315,7 @@ class AsyncEngine:
         self._check_accepting()
         self._check_runner(pooling)
         params = self.request_policy.apply(params)  # every frontend's requests, before work
+        self._check_kv_transfer(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if lora_name is not None and lora_name not in self.lora_adapters():
             raise ParamError(f"unknown LoRA adapter {lora_name!r}", "model")
@@ -352,6 +357,33 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; unknown or finished ids are ignored."""
         self.engine_loop.abort(request_id)
+
+    async def hand_off_kv(
+        self, output: RequestOutput, params: SamplingParams, lora_name: str | None = None
+    ) -> KVTransferResult | None:
+        """Phase 1 of prefill/decode disaggregation, once a `do_remote_decode` request has
+        finished: wait until the store has no write of its prompt's full blocks queued any
+        more (at most KV_HANDOFF_TIMEOUT_S; no thread blocks), then report how many of them,
+        from the first, are on disk. The engine queued every one (its pool hits too) in the
+        step that computed the prompt, before that step's output came out. None when the
+        request sampled no token (it failed or was aborted): nothing to hand on."""
+        token_ids = output.outputs[0].token_ids if output.outputs else []
+        if not token_ids:
+            return None
+        first_token_id = token_ids[0]
+        offload = self.engine_loop.engine.kv_offload
+        adapter = None
+        if lora_name is not None:
+            adapter = self.engine_loop.engine.lora_manager.get(lora_name)
+        names = offload.prompt_block_names(output.prompt_token_ids, params.cache_salt, adapter)
+        written = asyncio.wrap_future(offload.store.when_written(names))
+        await asyncio.wait([written], timeout=KV_HANDOFF_TIMEOUT_S)
+        num_blocks = offload.store.num_stored(names)
+        return KVTransferResult(
+            remote_tokens=num_blocks * self.info.block_size,
+            remote_blocks=num_blocks,
+            first_token_id=first_token_id,
+        )
 
     # -- LoRA adapters (`--enable-lora`) --------------------------------------------------------
     def lora_adapters(self) -> dict[str, str]:
@@ -498,6 +530,17 @@ class AsyncEngine:
                 "this server embeds (--runner pooling): it serves /v1/embeddings, not text "
                 "generation; start another without --runner pooling to generate",
                 "model",
+            )
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        transfer = params.kv_transfer_params
+        if transfer is None or not transfer.do_remote_decode:
+            return
+        if self.engine_loop.engine.kv_offload is None:
+            raise ParamError(
+                "kv_transfer_params: do_remote_decode hands the prompt's KV blocks on through "
+                "the --kv-offload-dir store, and this server runs without one",
+                "kv_transfer_params",
             )
 
     def _check_accepting(self) -> None:

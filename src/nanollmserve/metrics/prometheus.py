@@ -56,6 +56,8 @@ ENGINE_COUNTERS = {
     "num_preemptions": "nanollmserve:num_preemptions_total",
     "prefix_cache_queries": "nanollmserve:prefix_cache_queries_total",
     "prefix_cache_hits": "nanollmserve:prefix_cache_hits_total",
+    "remote_prefill_loaded_tokens": "nanollmserve:kv_remote_prefill_loaded_tokens_total",
+    "remote_prefill_recomputed_tokens": "nanollmserve:kv_remote_prefill_recomputed_tokens_total",
 }
 SUCCESS_REASONS = ("stop", "length")
 # Speculative decoding totals exported as counters: SpecDecodeStats field -> name and help.
@@ -138,6 +140,11 @@ class ServerMetrics:
             "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
             "prefix_cache_hits": "Prompt tokens found in the prefix cache (a request resumed "
             "after preemption is not counted).",
+            "remote_prefill_loaded_tokens": "Prompt tokens a prefill worker computed "
+            "(kv_transfer_params remote_tokens) whose KV this worker found in its pool or read "
+            "from the --kv-offload-dir store.",
+            "remote_prefill_recomputed_tokens": "Prompt tokens a prefill worker computed that "
+            "this worker computed again (a block missing, corrupt, or the last one).",
         }
         self._engine_counters = {
             field: counter(name, docs[field]).labels(**labels)

@@ -6,8 +6,9 @@ models, merged). Stored responses (`/v1/responses/{id}`, `previous_response_id`)
 worker that holds them (`response_locator.py`). Every other path and method is forwarded by
 the proxy to the worker the policy picks (`/v1/*`, `/generate`, `/batch_generate`,
 `/tokenize`, `/detokenize`, the Messages API's `/v1/messages` and
-`/v1/messages/count_tokens`, the paths without `/v1`, the playground page). The health
-checker runs for the app's lifetime; the first round of checks ends before it serves.
+`/v1/messages/count_tokens`, the paths without `/v1`, the playground page); under
+`--policy pd` a completion first has its prefill done by a prefill worker (`pd.py`). The
+health checker runs for the app's lifetime; the first round of checks ends before it serves.
 A body over `max_request_bytes` answers 413 before it is read whole (`body_limit.py`, the
 workers' own cap); with an API key, it is checked first (`auth.py`). With a tracer, each
 forwarded generation request is a span (`nanollmserve.tracing`), the parent of the worker's.
@@ -31,6 +32,7 @@ from nanollmserve.router.auth import RouterAPIKeyMiddleware
 from nanollmserve.router.errors import error_response
 from nanollmserve.router.health import DEFAULT_INTERVAL_S, DEFAULT_MAX_FAILURES, HealthChecker
 from nanollmserve.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from nanollmserve.router.pd import DEFAULT_PREFILL_TIMEOUT_S, PrefillPhase
 from nanollmserve.router.policies import DEFAULT_BALANCE_THRESHOLD, make_policy
 from nanollmserve.router.proxy import Proxy
 from nanollmserve.router.response_locator import ResponseLocator
@@ -54,6 +56,8 @@ class RouterSettings:
     health_failures: int = DEFAULT_MAX_FAILURES
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     balance_threshold: int = DEFAULT_BALANCE_THRESHOLD
+    prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT_S
+    """--policy pd: seconds a prefill worker gets for phase 1 before another one tries."""
     max_request_bytes: int = MAX_REQUEST_BYTES
     """Largest request body forwarded (413 beyond), the workers' own default."""
     metrics_require_auth: bool = False
@@ -74,7 +78,10 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             app.state.client = client
-            app.state.proxy = Proxy(pool, policy, client, metrics, settings.worker_api_key)
+            prefill = PrefillPhase(settings.prefill_timeout) if policy.prefill else None
+            app.state.proxy = Proxy(
+                pool, policy, client, metrics, settings.worker_api_key, prefill_phase=prefill
+            )
             app.state.locator = ResponseLocator(pool, client)
             checker = HealthChecker(
                 pool, client, settings.health_interval, settings.health_failures

@@ -13,17 +13,22 @@ from starlette.responses import JSONResponse
 from nanollmserve.anthropic_errors import anthropic_error_body, is_messages_path
 
 
-def error_body(status_code: int, message: str, code: str | None) -> dict:
+def error_body(status_code: int, message: str, code: str | None, param: str | None = None) -> dict:
     kind = "authentication_error" if status_code == 401 else "invalid_request_error"
     if status_code >= 500:
         kind = "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(
-    status_code: int, message: str, code: str | None = None, headers: dict | None = None
+    status_code: int,
+    message: str,
+    code: str | None = None,
+    headers: dict | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, code), status_code, headers=headers)
+    body = error_body(status_code, message, code, param)
+    return JSONResponse(body, status_code, headers=headers)
 
 
 def stream_error_event(path: str, message: str, code: str) -> bytes:

@@ -1,9 +1,11 @@
 """HealthChecker: polls every worker's /health each `interval` seconds.
 
-A worker that answers 200 is (back) in the rotation. One that refuses the connection leaves
-it at once; one that fails otherwise (an error status, a timeout) leaves it after
-`max_failures` checks in a row. The proxy also takes a worker out when a request to it
-cannot connect or is cut before its first byte, without waiting for the next check.
+A worker that answers 200 is (back) in the rotation, with the KV role its answer names
+(`"kv_role"`: prefill, decode or both; both when it names none, as before `--kv-role`).
+One that refuses the connection leaves it at once; one that fails otherwise (an error
+status, a timeout) leaves it after `max_failures` checks in a row. The proxy also takes a
+worker out when a request to it cannot connect or is cut before its first byte, without
+waiting for the next check.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 
 import httpx
 
-from nanollmserve.router.workers import Worker, WorkerPool
+from nanollmserve.router.workers import KV_ROLES, Worker, WorkerPool
 
 logger = logging.getLogger("nanollmserve.router")
 
@@ -46,7 +48,7 @@ class HealthChecker:
             self._failed(worker, exc.__class__.__name__)
             return
         if response.status_code == 200:
-            worker.mark_up()
+            worker.mark_up(_kv_role(response))
         else:
             self._failed(worker, f"/health answered {response.status_code}")
 
@@ -62,3 +64,11 @@ class HealthChecker:
         while True:
             await self.check_all()
             await asyncio.sleep(self.interval)
+
+
+def _kv_role(response: httpx.Response) -> str:
+    try:
+        role = response.json().get("kv_role", "both")
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return "both"
+    return role if role in KV_ROLES else "both"

@@ -3,8 +3,9 @@
 Per worker (label `worker`, its URL): requests routed, failed attempts, retries (failed
 attempts that another worker then served), up (1 while in the rotation), requests in flight,
 and the upstream latency histogram (from sending a request to the worker's response
-headers). The gauges are read from the pool when Prometheus scrapes. Each instance has its
-own registry.
+headers). With `--policy pd`: phase-1 fallbacks (requests a decode worker prefilled itself,
+label `reason`) and the phase-1 latency histogram (per prefill worker). The gauges are read
+from the pool when Prometheus scrapes. Each instance has its own registry.
 """
 
 from __future__ import annotations
@@ -52,6 +53,21 @@ class RouterMetrics:
         self.upstream_latency = Histogram(
             "nanollmserve_router:upstream_latency_seconds",
             "Seconds from sending a request to a worker to its response headers",
+            labels,
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "nanollmserve_router:pd_prefill_fallbacks_total",
+            "--policy pd: requests sent to a decode worker without phase 1 (it prefills them "
+            "itself); reason: no_prefill_worker, prefill_failed or no_transfer_params",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_prefill_latency = Histogram(
+            "nanollmserve_router:pd_prefill_latency_seconds",
+            "--policy pd: seconds of a successful phase 1, from sending the request to a "
+            "prefill worker to its whole answer (the prompt's blocks in the store)",
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,

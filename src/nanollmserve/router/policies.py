@@ -8,6 +8,13 @@
   sharing a prefix land where that prefix is cached, and a worker leaving moves only its own
   keys. Bounded by load: when the chosen worker has `balance_threshold` more requests in
   flight than the least loaded one, the least loaded one gets the request.
+- `pd`: prefill/decode disaggregation (`pd.py` runs the two phases). A generation request's
+  prefill goes to a prefill-role worker by the prefix policy (its prefix cache and the
+  shared store hold that prompt's blocks), the request itself to the least loaded
+  decode-role (or both-role) worker; every other request too. Prefill-role workers take
+  only phase 1.
+
+`serves(worker)` says which workers a policy places whole requests on (all, but under `pd`).
 """
 
 from __future__ import annotations
@@ -20,9 +27,18 @@ from nanollmserve.router.workers import Worker
 DEFAULT_BALANCE_THRESHOLD = 8
 
 
-class RoundRobinPolicy:
-    name = "round_robin"
+class Policy:
+    name = ""
     uses_key = False
+    prefill = None
+    """The policy that places phase 1 on prefill workers; None: one phase (all but `pd`)."""
+
+    def serves(self, worker: Worker) -> bool:
+        return True
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -31,15 +47,14 @@ class RoundRobinPolicy:
         return candidates[next(self._counter) % len(candidates)]
 
 
-class LeastLoadPolicy:
+class LeastLoadPolicy(Policy):
     name = "least_load"
-    uses_key = False
 
     def choose(self, candidates: list[Worker], key: str | None) -> Worker:
         return min(candidates, key=lambda w: (w.num_in_flight, w.num_routed))
 
 
-class PrefixPolicy:
+class PrefixPolicy(Policy):
     name = "prefix"
     uses_key = True
 
@@ -57,11 +72,25 @@ class PrefixPolicy:
         return chosen
 
 
+class PDPolicy(LeastLoadPolicy):
+    name = "pd"
+    uses_key = True
+
+    def __init__(self, balance_threshold: int = DEFAULT_BALANCE_THRESHOLD) -> None:
+        self.prefill = PrefixPolicy(balance_threshold)
+
+    def serves(self, worker: Worker) -> bool:
+        return worker.kv_role != "prefill"
+
+    def prefill_workers(self, workers: list[Worker]) -> list[Worker]:
+        return [worker for worker in workers if worker.kv_role == "prefill"]
+
+
 def _score(key: str, url: str) -> bytes:
     return hashlib.blake2b(f"{url}\n{key}".encode(), digest_size=8).digest()
 
 
-POLICIES = ("round_robin", "least_load", "prefix")
+POLICIES = ("round_robin", "least_load", "prefix", "pd")
 
 
 def make_policy(name: str, balance_threshold: int = DEFAULT_BALANCE_THRESHOLD):
@@ -71,4 +100,6 @@ def make_policy(name: str, balance_threshold: int = DEFAULT_BALANCE_THRESHOLD):
         return LeastLoadPolicy()
     if name == "prefix":
         return PrefixPolicy(balance_threshold)
+    if name == "pd":
+        return PDPolicy(balance_threshold)
     raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")

@@ -13,6 +13,9 @@
 - The worker gets exactly the path the router authorized, ASGI's `scope["path"]` (re-quoted)
   and query string: `request.url` is rebuilt from the Host header in some Starlette versions,
   where `Host: x/v1/completions?` once turned an open path into another one.
+- Under `--policy pd`, phase 1 of a generation request runs first (`pd.py`: a prefill
+  worker fills the shared store), then this same path forwards phase 2 to the workers the
+  policy `serves` (decode and both roles).
 - With tracing on (`--otlp-traces-endpoint`), each attempt is a CLIENT span under the
   router's span of the request, and its context replaces the client's `traceparent` in
   what the worker gets, so the worker's span joins the same trace below it.
@@ -78,12 +81,15 @@ class Proxy:
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
         worker_api_key: str | None = None,
+        prefill_phase=None,
     ) -> None:
         self.pool = pool
         self.policy = policy
         self.client = client
         self.metrics = metrics
         self.worker_api_key = worker_api_key
+        self.prefill_phase = prefill_phase
+        """`pd.PrefillPhase` under `--policy pd`, else None."""
 
     def upstream_headers(self, request: Request) -> dict[str, str]:
         """The client's headers for the worker: hop-by-hop ones dropped, and with
@@ -101,6 +107,10 @@ class Proxy:
         the only one that may answer it), retried on others while nothing was sent."""
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
+            if pinned is None and self.prefill_phase is not None:
+                body = await self.prefill_phase.run(self, request, body, key, gone)
+                if isinstance(body, Response):  # the client's answer already (a 4xx)
+                    return body
             return await self._forward(request, body, key, pinned, gone)
         finally:
             gone.cancel()
@@ -110,7 +120,7 @@ class Proxy:
         failure: Failure | None = None
         failed_worker: Worker | None = None
         while True:
-            pool = [pinned] if pinned is not None else self.pool.healthy()
+            pool = [pinned] if pinned is not None else self.serving_workers()
             candidates = [worker for worker in pool if worker not in tried]
             if not candidates:
                 break
@@ -131,15 +141,19 @@ class Proxy:
             return error_response(
                 502, f"no worker could answer the request: {failure.reason}", "worker_failed"
             )
+        what = "worker" if self.policy.prefill is None else "decode (or both) worker"
         return error_response(
-            503, "no healthy worker", "no_healthy_worker", headers={"Retry-After": "1"}
+            503, f"no healthy {what}", "no_healthy_worker", headers={"Retry-After": "1"}
         )
+
+    def serving_workers(self) -> list[Worker]:
+        return [worker for worker in self.pool.healthy() if self.policy.serves(worker)]
 
     async def _attempt(self, worker: Worker, request: Request, body: bytes, gone) -> object:
         """A Response for the client, or a Failure that another worker may retry."""
         url = f"{worker.url}{forwarded_path(request)}"
         headers = self.upstream_headers(request)
-        span = _attempt_span(worker, request, url, headers)
+        span = attempt_span(worker, request, url, headers)
         upstream = self.client.build_request(request.method, url, headers=headers, content=body)
         worker.num_in_flight += 1
         worker.num_routed += 1
@@ -148,20 +162,20 @@ class Proxy:
         handed_over = False
         start = time.perf_counter()
         try:
-            response = await _unless_gone(self.client.send(upstream, stream=True), gone)
+            response = await unless_gone(self.client.send(upstream, stream=True), gone)
             self.metrics.upstream_latency.labels(worker.url).observe(time.perf_counter() - start)
             if span is not None:
                 span.set_http_status(response.status_code)
             headers = response_headers(response)
             if response.status_code in RETRY_STATUSES:
-                content = await _unless_gone(response.aread(), gone)
+                content = await unless_gone(response.aread(), gone)
                 answer = Response(content, response.status_code, headers=headers)
                 return Failure(f"{worker.url} answered {response.status_code}", answer)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 handed_over = True
                 relay = self._relay(worker, response, request.scope["path"], span)
                 return StreamingResponse(relay, response.status_code, headers=headers)
-            content = await _unless_gone(response.aread(), gone)
+            content = await unless_gone(response.aread(), gone)
             return Response(content, response.status_code, headers=headers)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -175,7 +189,7 @@ class Proxy:
             if not handed_over:
                 worker.num_in_flight -= 1
                 if response is not None:
-                    await _close(response)
+                    await close_response(response)
                 if span is not None:
                     span.end()
 
@@ -200,12 +214,12 @@ class Proxy:
             yield separator + stream_error_event(path, message, "worker_failed")
         finally:
             worker.num_in_flight -= 1
-            await _close(response)
+            await close_response(response)
             if span is not None:
                 span.end()
 
 
-def _attempt_span(worker: Worker, request: Request, url: str, headers: dict[str, str]):
+def attempt_span(worker: Worker, request: Request, url: str, headers: dict[str, str]):
     """The CLIENT span of one attempt, its context put in `headers` for the worker; None
     with tracing off."""
     parent = current_request_span()
@@ -237,7 +251,7 @@ def response_headers(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
-async def _close(response: httpx.Response) -> None:
+async def close_response(response: httpx.Response) -> None:
     """Close the upstream response even while being cancelled (the client went away): that
     closes the worker's connection, which aborts the request there."""
     with anyio.CancelScope(shield=True):
@@ -252,7 +266,7 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _unless_gone(awaitable: Awaitable, gone: asyncio.Future):
+async def unless_gone(awaitable: Awaitable, gone: asyncio.Future):
     """`awaitable`'s result, or ClientGone (and `awaitable` cancelled) if the client leaves
     first."""
     task = asyncio.ensure_future(awaitable)

@@ -1,7 +1,7 @@
 """GET /stats of the router: the workers' own /stats added up (the same keys a worker's
 /stats has, so tools written for one server, such as `bench serve`, read the cluster's
-totals), plus one entry per worker: its URL, health, requests in flight, routed / failed /
-retried counts and its own /stats (null when it is down or did not answer).
+totals), plus one entry per worker: its URL, health, KV role, requests in flight, routed /
+failed / retried counts and its own /stats (null when it is down or did not answer).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ async def cluster_stats(
         {
             "url": worker.url,
             "is_healthy": worker.is_healthy,
+            "kv_role": worker.kv_role,
             "num_in_flight": worker.num_in_flight,
             "num_routed": worker.num_routed,
             "num_failed": worker.num_failed,

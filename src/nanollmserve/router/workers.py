@@ -1,6 +1,6 @@
-"""The router's view of its workers: a `Worker` per URL (health, requests in flight, routed /
-failed / retried counts) and the `WorkerPool` the policies choose from. The cluster launcher
-replaces the pool's URLs when Ray restarts a worker somewhere else (`set_urls`).
+"""The router's view of its workers: a `Worker` per URL (health, KV role, requests in flight,
+routed / failed / retried counts) and the `WorkerPool` the policies choose from. The cluster
+launcher replaces the pool's URLs when Ray restarts a worker somewhere else (`set_urls`).
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass
 
 logger = logging.getLogger("nanollmserve.router")
+
+KV_ROLES = ("prefill", "decode", "both")
 
 
 def normalize_url(url: str) -> str:
@@ -33,9 +35,15 @@ class Worker:
     """Failed attempts that were then retried on another worker (the client saw nothing)."""
     num_failed_checks: int = 0
     """Health checks failed in a row."""
+    kv_role: str = "both"
+    """What its /health says it serves (`serve --kv-role`): prefill, decode or both (a
+    worker that does not say serves both)."""
 
-    def mark_up(self) -> None:
+    def mark_up(self, kv_role: str = "both") -> None:
         self.num_failed_checks = 0
+        if kv_role != self.kv_role:
+            logger.info("worker %s has the KV role %s", self.url, kv_role)
+            self.kv_role = kv_role
         if not self.is_healthy:
             logger.info("worker %s is up", self.url)
         self.is_healthy = True
