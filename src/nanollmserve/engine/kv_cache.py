@@ -10,7 +10,15 @@ LoRA adapter and `cache_salt`: requests share blocks only within one adapter and
 Full blocks are registered as soon as the step that computes them is scheduled (the whole
 batch writes its K/V before any attention reads, so a request scheduled later in the same
 step may already reuse them). A freed block keeps its hash and stays findable until the pool
-needs it for something else: free blocks form an LRU queue, evicted from the front.
+needs it for something else: free blocks with a hash form an LRU queue, evicted from the front.
+
+The pool is one memory map whose pages the OS commits when first written, so the order free
+blocks are taken in decides the resident footprint: a free block without a hash (the partial
+last block of a request, a block of a duplicate prefix, every block with prefix caching off)
+is reused first, the most recently freed first (its pages are resident, it caches nothing);
+then a block never used yet, in id order; a cached block is evicted only when neither is
+left. A long run of requests that cache nothing then keeps reusing the same few blocks
+instead of touching the whole pool (tests/test_kv_footprint.py).
 
 KV offload (`kv_offload.py`, `--kv-offload-dir`): a second tier behind the pool. Every block
 registered here is handed to it once the step that computes it has run
@@ -47,24 +55,30 @@ class KVBlock:
 
 
 class BlockPool:
-    """All blocks, the free LRU queue and the hash -> block map of cached full blocks."""
+    """All blocks, the free blocks (a stack of blocks without a hash, the LRU queue of cached
+    ones) and the hash -> block map of cached full blocks."""
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        self.free_unhashed: list[KVBlock] = self.blocks[::-1]
+        """Free blocks without a hash, taken from the end: the most recently freed, then the
+        never used ones in id order (the start of the list)."""
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict()
+        """Free blocks with a hash, least recently freed first: evicted from the front."""
         self.cached_blocks: dict[int, KVBlock] = {}
         self.num_evicted = 0  # cached blocks overwritten since start (the flight recorder's)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_unhashed) + len(self.free_queue)
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         blocks = []
         for _ in range(num_blocks):
-            _, block = self.free_queue.popitem(last=False)
+            if self.free_unhashed:
+                block = self.free_unhashed.pop()
+            else:
+                _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = block.key = None
@@ -84,7 +98,9 @@ class BlockPool:
         """Drop a reference; pass a request's blocks tail first so its tail is evicted first."""
         for block in blocks:
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and block.block_hash is None:
+                self.free_unhashed.append(block)
+            elif block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
     def lookup(self, block_hash: int, key: tuple) -> KVBlock | None:

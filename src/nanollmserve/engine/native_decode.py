@@ -72,6 +72,7 @@ class _Model(ctypes.Structure):
                 "max_context",
                 "num_blocks",
                 "kv_dtype",
+                "embed_kind",
             )
         ),  # fmt: skip
         ("eps", ctypes.c_float),
@@ -144,7 +145,7 @@ class NativeDecodeStep:
             decoder.hidden_size, decoder.intermediate_size, decoder.num_heads,
             decoder.num_kv_heads, decoder.head_dim, len(decoder.layers), decoder.vocab_size,
             self.block_size, 0 if lm_head is None else lm_head.kind,
-            self.max_context, self.num_blocks, KV_DTYPE_CODES[k_cache.dtype],
+            self.max_context, self.num_blocks, KV_DTYPE_CODES[k_cache.dtype], decoder.embed_kind,
             decoder.rms_norm_eps, decoder.attn_scale,
             _ptr(decoder.embed), _ptr(decoder.final_norm), _ptr(decoder.rope),
             _ptr(None if lm_head is None else lm_head.tiles),

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.quantization import WeightOnlyLinear
-from nanollmserve.model.gguf_blocks import BlockRows
+from nanollmserve.model.gguf_blocks import KIND_Q8, BlockRows
 
 
 class GGUFLinear(WeightOnlyLinear):
@@ -67,7 +68,9 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows]) -> int:
 
     The bundled model ties its output projection to the embedding table, stored as Q8_0: the
     lm_head becomes a `GGUFLinear` over those blocks (30 MB a token instead of the float32
-    table's 113 MB); the embedding lookup keeps the float32 table.
+    table's 113 MB), and the embedding lookup reads its rows from the same blocks
+    (`GGUFEmbedding`): no float32 table is kept. A table in 4-bit blocks, or an untied one,
+    keeps the float32 embedding.
     """
     replaced = 0
     for module_name, module in list(model.named_modules()):
@@ -87,4 +90,6 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows]) -> int:
     if "lm_head.weight" in blocks and (lm_head is None or isinstance(lm_head, nn.Linear)):
         vocab, hidden = model.model.embed_tokens.weight.shape
         model.lm_head = GGUFLinear(blocks["lm_head.weight"], None, vocab, hidden)
+        if lm_head is None and model.lm_head.kind == KIND_Q8:  # tied: the table's own blocks
+            model.model.embed_tokens = GGUFEmbedding(model.lm_head.tiles, vocab, hidden)
     return replaced

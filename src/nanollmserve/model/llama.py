@@ -31,6 +31,7 @@ from torch import nn
 from nanollmserve.distributed.parallel_state import get_tp_size
 from nanollmserve.layers.activation import SiluAndMul
 from nanollmserve.layers.attention import PagedAttention
+from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.gguf_linear import GGUFLinear
 from nanollmserve.layers.norm import RMSNorm
 from nanollmserve.layers.parallel_linear import (
@@ -203,8 +204,10 @@ class LlamaForCausalLM(nn.Module):
             raise NotNativeError("the model is sharded over a tensor-parallel group")
         if config.mlp_bias:
             raise NotNativeError("the native layer has no MLP bias (mlp_bias)")
-        embed = decoder.embed_tokens.weight
-        if embed.dtype != torch.float32 or embed.device.type != "cpu":
+        embedding = decoder.embed_tokens
+        quantized_embed = isinstance(embedding, GGUFEmbedding)
+        embed = embedding.tiles if quantized_embed else embedding.weight
+        if embed.device.type != "cpu" or not (quantized_embed or embed.dtype == torch.float32):
             raise NotNativeError(
                 f"the weights are {embed.dtype} on {embed.device}, not float32 on the CPU"
             )
@@ -241,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
             rms_norm_eps=config.rms_norm_eps,
             attn_scale=attention.attn.scale,
             embed=embed,
+            embed_kind=embedding.kind if quantized_embed else 0,
             final_norm=decoder.norm.weight,
             rope=decoder.rotary_emb.cos_sin_cache,
             lm_head=self.lm_head if isinstance(self.lm_head, GGUFLinear) else None,

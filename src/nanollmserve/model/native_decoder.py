@@ -65,7 +65,9 @@ class NativeDecoder:
     rms_norm_eps: float
     attn_scale: float
     embed: torch.Tensor
-    """[vocab, hidden] float32: the input embedding table."""
+    """The input embedding table: [vocab, hidden] float32 (`embed_kind` 0), or the tiled Q8_0
+    blocks it is stored in (`embed_kind` KIND_Q8, `layers/gguf_embedding.py`), rows dequantized
+    as they are looked up."""
     final_norm: torch.Tensor
     rope: torch.Tensor
     """[positions, head_dim]: cos of the half-dim frequencies, then sin."""
@@ -73,3 +75,4 @@ class NativeDecoder:
     """The output projection in GGUF blocks, or None: the step ends at the final norm and the
     model's `compute_logits` projects."""
     layers: tuple[NativeLayer, ...]
+    embed_kind: int = 0

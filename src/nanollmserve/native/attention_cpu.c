@@ -87,6 +87,131 @@ void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, in
         attend_group(q, kv, kvh, g, group, hd, bs, scale, block_table, ctx, scores, out, 0);
 }
 
+/* ------------------------------------- attention of a span of one sequence's tokens -- */
+
+/* `n` consecutive tokens of one sequence at positions p0 .. p0 + n - 1 (a prefill chunk or a
+ * speculative verify span) over KV head `g`: their `group` query heads each are a row, n *
+ * group rows in all (query row i * group + j is token i's head j, at q + i * q_stride + j *
+ * hd; its output at out + i * out_stride + j * hd), and row i sees keys < p0 + i + 1
+ * (causal). The products run as small matrix products, which a per-token loop cannot: 8 keys
+ * at a time are transposed (an int8 row dequantized) into `kt` [hd][8], and 8 rows at a time
+ * take their 8 scores as one vector (8 accumulators, no horizontal sum per key); the values
+ * are weighted for 6 rows at a time, 16 of their dimensions per pass, each value row read
+ * once for 6 rows. `scores`: TILE_ROWS(group) * (p0 + n rounded up to 8) floats; `kt`: hd * 8
+ * floats. */
+static inline __attribute__((always_inline)) void attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv,
+                                                              int kvh, int g, int group, int hd, int bs, float scale,
+                                                              const int64_t *block_table, int64_t p0, int n,
+                                                              float *scores, float *kt, float *out, int64_t out_stride,
+                                                              const int int8) {
+    const int rows = n * group, padded_rows = (rows + 7) / 8 * 8;
+    const int64_t ctx = p0 + n, width = (ctx + 7) / 8 * 8;
+    const float *qr[SPAN_TILE_ROWS_MAX];
+    for (int r = 0; r < padded_rows; r++) {
+        const int row = r < rows ? r : 0; /* padding rows repeat row 0; their scores are unused */
+        qr[r] = q + (row / group) * q_stride + (int64_t)(row % group) * hd;
+    }
+    /* scores: 8 keys x 8 rows per pass */
+    for (int64_t k0 = 0; k0 < ctx; k0 += 8) {
+        const int keys = ctx - k0 < 8 ? (int)(ctx - k0) : 8;
+        for (int c = 0; c < 8; c++) {
+            if (c >= keys) {
+                for (int d = 0; d < hd; d++) kt[d * 8 + c] = 0.0f;
+                continue;
+            }
+            const int64_t t = k0 + c, row = (block_table[t / bs] * bs + t % bs) * kvh + g;
+            if (int8) {
+                const int8_t *k = (const int8_t *)kv->k + row * hd;
+                const float ks = kv->k_scale[row] * scale;
+                for (int d = 0; d < hd; d++) kt[d * 8 + c] = (float)k[d] * ks;
+            } else {
+                const float *k = (const float *)kv->k + row * hd;
+                for (int d = 0; d < hd; d++) kt[d * 8 + c] = k[d] * scale;
+            }
+        }
+        for (int r0 = 0; r0 < padded_rows; r0 += 8) {
+            __m256 acc[8];
+            for (int x = 0; x < 8; x++) acc[x] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d++) {
+                const __m256 kd = _mm256_loadu_ps(kt + d * 8);
+                for (int x = 0; x < 8; x++) acc[x] = _mm256_fmadd_ps(_mm256_broadcast_ss(qr[r0 + x] + d), kd, acc[x]);
+            }
+            for (int x = 0; x < 8; x++) _mm256_storeu_ps(scores + (int64_t)(r0 + x) * width + k0, acc[x]);
+        }
+    }
+    /* softmax of each row over its own keys; the weights past them are 0; an int8 value row's
+     * scale is folded into its weight after the sum */
+    float inv_sum[SPAN_TILE_ROWS_MAX];
+    for (int r = 0; r < rows; r++) {
+        float *row = scores + (int64_t)r * width;
+        const int64_t own = p0 + r / group + 1;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < own; t++) mx = row[t] > mx ? row[t] : mx;
+        const __m256 mx8 = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= own; t += 8) {
+            const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), mx8));
+            _mm256_storeu_ps(row + t, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum_ps(sum8);
+        for (; t < own; t++) {
+            row[t] = expf(row[t] - mx);
+            sum += row[t];
+        }
+        for (; t < width; t++) row[t] = 0.0f;
+        inv_sum[r] = 1.0f / sum;
+        if (int8)
+            for (int64_t u = 0; u < own; u++)
+                row[u] *= kv->v_scale[(block_table[u / bs] * bs + u % bs) * kvh + g];
+    }
+    /* the weighted values: 6 rows x 16 dimensions per pass */
+    for (int r0 = 0; r0 < rows; r0 += 6) {
+        const int rr = rows - r0 < 6 ? rows - r0 : 6;
+        const int64_t last = p0 + (r0 + rr - 1) / group + 1; /* the keys the pass's last row sees */
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            __m256 acc[6][2];
+            for (int x = 0; x < 6; x++) acc[x][0] = acc[x][1] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < last; t++) {
+                const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
+                __m256 v0, v1;
+                if (int8) {
+                    const int8_t *v = (const int8_t *)kv->v + row * hd + d0;
+                    v0 = load_i8x8(v);
+                    v1 = hd - d0 >= 16 ? load_i8x8(v + 8) : _mm256_setzero_ps();
+                } else {
+                    const float *v = (const float *)kv->v + row * hd + d0;
+                    v0 = _mm256_loadu_ps(v);
+                    v1 = hd - d0 >= 16 ? _mm256_loadu_ps(v + 8) : _mm256_setzero_ps();
+                }
+                for (int x = 0; x < 6; x++) {
+                    if (x >= rr) break;
+                    const __m256 w = _mm256_broadcast_ss(scores + (int64_t)(r0 + x) * width + t);
+                    acc[x][0] = _mm256_fmadd_ps(w, v0, acc[x][0]);
+                    acc[x][1] = _mm256_fmadd_ps(w, v1, acc[x][1]);
+                }
+            }
+            for (int x = 0; x < rr; x++) {
+                const int r = r0 + x;
+                float *o = out + (r / group) * out_stride + (int64_t)(r % group) * hd + d0;
+                const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+                _mm256_storeu_ps(o, _mm256_mul_ps(acc[x][0], inv));
+                if (hd - d0 >= 16) _mm256_storeu_ps(o + 8, _mm256_mul_ps(acc[x][1], inv));
+            }
+        }
+    }
+}
+
+void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
+                     int bs, float scale, const int64_t *block_table, int64_t p0, int n, float *scores, float *kt,
+                     float *out, int64_t out_stride) {
+    if (kv->dtype == NLS_KV_INT8)
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, 1);
+    else
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, 0);
+}
+
 /* ------------------------------------------------ public: attention of decode tokens -- */
 
 /* One thread's attention scores: a KV head's group of query heads over up to `max_context`

@@ -470,13 +470,37 @@ typedef struct {
     int32_t max_context;
     int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
     int32_t kv_dtype;     /* NLS_KV_F32 or NLS_KV_INT8 (native.h) */
+    int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; KIND_Q8: tiled Q8 rows (lm_head's layout) */
     float eps, attn_scale;
-    const float *embed;      /* [vocab, hidden] */
+    const void *embed;       /* the input embedding table, as `embed_kind` says */
     const float *final_norm; /* [hidden] */
     const float *rope;       /* [positions, head_dim]: cos of the half-dim frequencies, then sin */
     const uint8_t *lm_head;  /* [vocab] rows of lm_head_kind */
     const nls_layer *layers;
 } nls_model;
+
+/* Row `token` of the embedding table into `out` [hidden]. A Q8 table is read in the tiled
+ * layout of the block kernels (token = output o of tile token / TILE; in each block of 32,
+ * byte 32 p + 2 o + i is the code of input 2 p + i, then the tile's 16 `d`): w = d * code, the
+ * float the dequantized table held, so no float32 copy of the table is kept. */
+static void embed_row(const nls_model *m, int64_t token, float *out) {
+    const int H = m->hidden;
+    if (m->embed_kind != KIND_Q8) {
+        memcpy(out, (const float *)m->embed + token * H, sizeof(float) * (size_t)H);
+        return;
+    }
+    const int64_t nb = H / QK, tile_bytes = tile_block_bytes(KIND_Q8);
+    const int o = (int)(token % TILE);
+    const uint8_t *tile = (const uint8_t *)m->embed + (token / TILE) * nb * tile_bytes;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tile_bytes;
+        uint16_t half;
+        memcpy(&half, tb + 512 + 2 * o, sizeof half);
+        const float d = _cvtsh_ss(half);
+        for (int p = 0; p < QK / 2; p++)
+            for (int i = 0; i < 2; i++) out[b * QK + 2 * p + i] = d * (float)(int8_t)tb[32 * p + 2 * o + i];
+    }
+}
 
 static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
     float ss = dot_f32(x, x, n);
@@ -543,8 +567,14 @@ static int64_t widest_input(const nls_model *m) {
 
 /* Each thread's own scratch (block-product accumulators, attention scores) starts on its own
  * cache line. */
+static int64_t thread_scores_floats(const nls_model *m) {
+    const int64_t decode = (int64_t)(m->num_heads / m->num_kv_heads) * m->max_context;
+    const int64_t span = span_scores_floats(m->max_context);
+    return decode > span ? decode : span;
+}
+
 static int64_t thread_scratch_bytes(const nls_model *m, int64_t num_tokens) {
-    const int64_t floats = 32 * num_tokens + (int64_t)(m->num_heads / m->num_kv_heads) * m->max_context;
+    const int64_t floats = 32 * num_tokens + thread_scores_floats(m) + 8 * (int64_t)m->head_dim;
     return round_up_64(floats * (int64_t)sizeof(float));
 }
 
@@ -571,7 +601,9 @@ int64_t nls_decode_scratch_bytes(const nls_model *m, int64_t num_tokens, int num
                                 + m->intermediate               /* activation */
                                 + m->hidden                     /* projection output */
                                 + 2 * (widest / QK));           /* activation block scales and sums */
-    return 64 + round_up_64(floats * (int64_t)sizeof(float) + T * widest * (int64_t)sizeof(int16_t)) +
+    return 64 +
+           round_up_64(floats * (int64_t)sizeof(float) + T * widest * (int64_t)sizeof(int16_t) +
+                       T * (int64_t)sizeof(int32_t) /* span_len */) +
            (int64_t)num_threads * thread_scratch_bytes(m, T) + amx_scratch_bytes(widest, T, num_threads);
 }
 
@@ -637,6 +669,8 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
     for (int64_t r = 0; r < num_logits; r++)
         if (logit_rows[r] < 0 || logit_rows[r] >= T) return NLS_BAD_SHAPE;
     if (m->kv_dtype != NLS_KV_F32 && m->kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
+    if ((m->embed_kind != 0 && m->embed_kind != KIND_Q8) || (m->embed_kind == KIND_Q8 && m->hidden % QK))
+        return NLS_BAD_SHAPE;
     for (int l = 0; l < m->num_layers && m->kv_dtype == NLS_KV_INT8; l++)
         if (m->layers[l].k_scale == NULL || m->layers[l].v_scale == NULL) return NLS_BAD_SHAPE;
     for (int64_t t = 0; t < T; t++) {
@@ -657,17 +691,27 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
     float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I, *proj = act + T * I;
     float *dx = proj + T * H, *sx = dx + T * (widest / QK);
     int16_t *xq = (int16_t *)(sx + T * (widest / QK));
-    uint8_t *per_thread = (uint8_t *)h + round_up_64((int64_t)((uint8_t *)(xq + T * widest) - (uint8_t *)h));
+    int32_t *span_len = (int32_t *)(xq + T * widest);
+    uint8_t *per_thread = (uint8_t *)h + round_up_64((int64_t)((uint8_t *)(span_len + T) - (uint8_t *)h));
     uint8_t *amx = amx_scratch_bytes(widest, T, num_threads)
                        ? per_thread + (int64_t)num_threads * thread_scratch_bytes(m, T)
                        : NULL;
 
     double mark = profiling ? omp_get_wtime() : 0.0;
-    for (int64_t t = 0; t < T; t++) memcpy(h + t * H, m->embed + tokens[t] * H, sizeof(float) * (size_t)H);
+    /* the attention's tiles: a run of consecutive positions of one sequence (a prefill chunk,
+     * a verify span) in tiles of span_tile_tokens; span_len[t]: the tile starting at t, 0 inside one */
+    for (int64_t t = 0, tile = span_tile_tokens(group); t < T;) {
+        int64_t u = t + 1;
+        while (u < T && u - t < tile && seq_of_token[u] == seq_of_token[t] && positions[u] == positions[u - 1] + 1) u++;
+        span_len[t] = (int32_t)(u - t);
+        for (int64_t x = t + 1; x < u; x++) span_len[x] = 0;
+        t = u;
+    }
+    for (int64_t t = 0; t < T; t++) embed_row(m, tokens[t], h + t * H);
 #pragma omp parallel num_threads(num_threads)
     {
         float *own = (float *)(per_thread + (int64_t)omp_get_thread_num() * thread_scratch_bytes(m, T));
-        float *acc = own, *scores = own + 32 * T;
+        float *acc = own, *scores = own + 32 * T, *kt = scores + thread_scores_floats(m);
         for (int l = 0; l < m->num_layers; l++) {
             const nls_layer *L = &m->layers[l];
             const nls_kv_cache kv = {L->k_cache, L->v_cache, L->k_scale, L->v_scale, m->kv_dtype};
@@ -698,10 +742,17 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < T * kvh; item++) {
                 const int64_t t = item / kvh;
-                const int g = (int)(item % kvh);
-                nls_attend_group(qkv + t * qkv_size + (int64_t)g * group * hd, &kv, kvh, g,
-                                 group, hd, m->block_size, m->attn_scale, block_tables + seq_of_token[t] * table_width,
-                                 positions[t] + 1, scores, attn + t * q_size + (int64_t)g * group * hd);
+                const int n = span_len[t], g = (int)(item % kvh);
+                if (n == 0) continue;
+                const float *qt = qkv + t * qkv_size + (int64_t)g * group * hd;
+                float *ot = attn + t * q_size + (int64_t)g * group * hd;
+                const int64_t *table = block_tables + seq_of_token[t] * table_width;
+                if (n == 1)
+                    nls_attend_group(qt, &kv, kvh, g, group, hd, m->block_size, m->attn_scale, table, positions[t] + 1,
+                                     scores, ot);
+                else
+                    nls_attend_span(qt, qkv_size, &kv, kvh, g, group, hd, m->block_size, m->attn_scale, table,
+                                    positions[t], n, scores, kt, ot, q_size);
             }
             PHASE(PHASE_ATTENTION);
 #pragma omp for schedule(static)
@@ -781,7 +832,7 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
         ABI_OFFSET(nls_model, num_kv_heads), ABI_OFFSET(nls_model, head_dim), ABI_OFFSET(nls_model, num_layers),
         ABI_OFFSET(nls_model, vocab), ABI_OFFSET(nls_model, block_size), ABI_OFFSET(nls_model, lm_head_kind),
         ABI_OFFSET(nls_model, max_context), ABI_OFFSET(nls_model, num_blocks), ABI_OFFSET(nls_model, kv_dtype),
-        ABI_OFFSET(nls_model, eps),
+        ABI_OFFSET(nls_model, embed_kind), ABI_OFFSET(nls_model, eps),
         ABI_OFFSET(nls_model, attn_scale), ABI_OFFSET(nls_model, embed), ABI_OFFSET(nls_model, final_norm),
         ABI_OFFSET(nls_model, rope), ABI_OFFSET(nls_model, lm_head), ABI_OFFSET(nls_model, layers),
     };

@@ -116,4 +116,20 @@ typedef struct {
 void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
                       float scale, const int64_t *block_table, int64_t ctx, float *scores, float *out);
 
+/* A span of one sequence's consecutive tokens attends as a tile of up to SPAN_TILE_ROWS_MAX
+ * query rows (tokens x the KV head's query heads): `span_tile_tokens(group)` tokens at a time. */
+#define SPAN_TILE_ROWS_MAX 32
+static inline int span_tile_tokens(int group) {
+    const int tokens = group <= SPAN_TILE_ROWS_MAX ? SPAN_TILE_ROWS_MAX / group : 1;
+    return tokens < 8 ? tokens : 8;
+}
+
+/* The floats of `nls_attend_span`'s scores for positions up to `max_context`, and of its
+ * transposed keys. */
+static inline int64_t span_scores_floats(int64_t max_context) { return SPAN_TILE_ROWS_MAX * (max_context + 8); }
+
+void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
+                     int bs, float scale, const int64_t *block_table, int64_t p0, int n, float *scores, float *kt,
+                     float *out, int64_t out_stride);
+
 #endif
