@@ -76,6 +76,30 @@ def _chat(client, content: str, max_tokens: int = 8, **kwargs):
     )
 
 
+def _allowed_cpus(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+def _environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < NUM_WORKERS, reason="fewer CPUs than workers")
+def test_each_local_worker_computes_on_its_own_cpus(cluster) -> None:
+    """--worker-cpus split (the default): the CPUs are cut into one share per worker, each
+    worker pinned to its share and starting as many compute threads, so two workers' threads
+    never wait on each other's barriers."""
+    pids = [pid_listening_as_worker(port) for port in cluster.worker_ports]
+    assert all(pids)
+    shares = [_allowed_cpus(pid) for pid in pids]
+    assert all(shares) and not shares[0] & shares[1], shares
+    assert shares[0] | shares[1] == os.sched_getaffinity(0)
+    for pid, share in zip(pids, shares, strict=True):
+        assert _environment(pid)["OMP_NUM_THREADS"] == str(len(share))
+
+
 def test_requests_spread_over_both_workers_and_keys_are_checked(cluster) -> None:
     client = cluster.openai()
     before = {w["url"]: w["num_routed"] for w in cluster.stats()["workers"]}

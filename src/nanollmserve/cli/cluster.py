@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 
 from nanollmserve.cli.router import add_router_args, router_settings, setup_logging
@@ -53,6 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="prefill/decode disaggregation: D workers with --kv-role decode (with "
         "--prefill-workers); they share one --kv-offload-dir with the prefill workers "
         "(default: a fresh directory under /dev/shm, removed at exit)",
+    )
+    parser.add_argument(
+        "--worker-cpus",
+        choices=("split", "shared"),
+        default="split",
+        help="local workers on the CPU: split = each pinned to its own share of this "
+        "process's CPUs with as many threads (default); shared = every worker on every CPU "
+        "with torch's default thread count",
     )
     parser.add_argument(
         "--base-port", type=int, default=8001, help="first worker's port (default %(default)s)"
@@ -178,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local_workers(args, serve_args, worker_key, ports, worker_args):
-    from nanollmserve.cluster.devices import devices_of_worker, visible_gpus
+    from nanollmserve.cluster.devices import cpus_of_worker, devices_of_worker, visible_gpus
     from nanollmserve.cluster.local_workers import LocalWorkers
     from nanollmserve.cluster.worker_process import worker_env
 
@@ -187,11 +196,16 @@ def _local_workers(args, serve_args, worker_key, ports, worker_args):
         check_port_free(host, port, f"worker {i}")
     gpus = visible_gpus()
     per_worker = _tensor_parallel_size(serve_args)
-    envs = [
-        worker_env(worker_key, devices_of_worker(i, gpus, per_worker)) for i in range(len(ports))
-    ]
+    devices = [devices_of_worker(i, gpus, per_worker) for i in range(len(ports))]
+    cpus: list[list[int] | None] = [None] * len(ports)
+    threads: list[int | None] = [None] * len(ports)
+    if args.worker_cpus == "split" and not any(devices):  # the workers compute on the CPU
+        allowed = sorted(os.sched_getaffinity(0))
+        cpus = [cpus_of_worker(i, len(ports), allowed) for i in range(len(ports))]
+        threads = [len(share) if share else 1 for share in cpus]
+    envs = [worker_env(worker_key, devices[i], threads[i]) for i in range(len(ports))]
     workers = LocalWorkers(
-        host, ports, serve_args, envs, args.max_restarts, args.shutdown_timeout, worker_args
+        host, ports, serve_args, envs, args.max_restarts, args.shutdown_timeout, worker_args, cpus
     )
     workers.start()
     return workers

@@ -34,6 +34,8 @@ class LocalWorker:
     env: dict[str, str]
     args: list[str]
     """Its own serve flags, after the common ones (a disaggregated cluster's --kv-role)."""
+    cpus: list[int] | None = None
+    """The CPUs it is pinned to (None: not pinned)."""
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     num_restarts: int = 0
@@ -55,14 +57,18 @@ class LocalWorkers:
         max_restarts: int = -1,
         stop_timeout: float = 30.0,
         worker_args: list[list[str]] | None = None,
+        worker_cpus: list[list[int] | None] | None = None,
     ) -> None:
         self.serve_args = serve_args
         self.max_restarts = max_restarts
         self.stop_timeout = stop_timeout
         worker_args = worker_args or [[] for _ in ports]
+        worker_cpus = worker_cpus or [None for _ in ports]
         self.workers = [
-            LocalWorker(i, host, port, env, args)
-            for i, (port, env, args) in enumerate(zip(ports, envs, worker_args, strict=True))
+            LocalWorker(i, host, port, env, args, cpus)
+            for i, (port, env, args, cpus) in enumerate(
+                zip(ports, envs, worker_args, worker_cpus, strict=True)
+            )
         ]
 
     @property
@@ -75,11 +81,15 @@ class LocalWorkers:
 
     def _launch(self, worker: LocalWorker) -> None:
         command = serve_command(worker.host, worker.port, self.serve_args + worker.args)
-        worker.process = start_worker_process(command, worker.env)
+        worker.process = start_worker_process(command, worker.env, worker.cpus)
         worker.started_at = time.monotonic()
         worker.restart_at = None
         logger.info(
-            "worker %d: started (pid %d) on %s", worker.index, worker.process.pid, worker.url
+            "worker %d: started (pid %d) on %s%s",
+            worker.index,
+            worker.process.pid,
+            worker.url,
+            f", CPUs {','.join(map(str, worker.cpus))}" if worker.cpus else "",
         )
 
     def poll(self) -> None:

@@ -28,20 +28,34 @@ def serve_command(host: str, port: int, serve_args: list[str]) -> list[str]:
     ]
 
 
-def worker_env(api_key: str | None, devices: str | None) -> dict[str, str]:
-    """The worker's environment: the key it requires, the devices it may use."""
+def worker_env(
+    api_key: str | None, devices: str | None, num_threads: int | None = None
+) -> dict[str, str]:
+    """The worker's environment: the key it requires, the devices it may use, the compute
+    threads it starts (`OMP_NUM_THREADS`, which torch and the native kernels follow)."""
     env = dict(os.environ)
     env.pop("NANOLLMSERVE_API_KEY", None)
     if api_key:
         env["NANOLLMSERVE_API_KEY"] = api_key
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
+    if num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(num_threads)
     return env
 
 
-def start_worker_process(command: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start a worker that is killed when the thread that started it dies."""
-    return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+def start_worker_process(
+    command: list[str], env: dict[str, str], cpus: list[int] | None = None
+) -> subprocess.Popen:
+    """Start a worker that is killed when the thread that started it dies, pinned to `cpus`
+    when given."""
+
+    def before_exec() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return subprocess.Popen(command, env=env, preexec_fn=before_exec)
 
 
 def _die_with_parent() -> None:
