@@ -45,6 +45,7 @@ FEATURES = {
     "kvdtype": "Quantized KV cache",
     "sleep": "Sleep mode",
     "offload": "KV offload",
+    "pd": "PD disaggregation",
     "cuda": "CUDA",
 }
 NOT_RUN_ALLOWED = {"cuda"}  # the only feature no machine here can run
@@ -119,6 +120,12 @@ KV_SLEEP = MEMORY + "test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives
 KV_REPLAY = MEMORY + "test_the_int8_kv_record_with_its_sleep_replays_identically"
 STORE_STACK = MEMORY + "test_a_restarted_int8_reasoning_server_reads_the_prefix_from_the_store"
 STORE_REPLAY = MEMORY + "test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store"
+PD = "tests/test_compat_pd.py::"
+PD_CLUSTER = "tests/test_cluster_pd.py::"
+PD_GREEDY = PD_CLUSTER + "test_greedy_output_through_pd_equals_a_colocated_server"
+PD_GGUF = PD + "test_gguf_blocks_answer_through_pd_as_the_decode_worker_alone"
+PD_INT8 = PD + "test_int8_weights_and_the_reasoning_parser_through_pd"
+PD_REFUSED = PD + "test_a_worker_role_refuses_what_the_store_cannot_carry[{}]"
 
 CELLS: dict[tuple[str, str], Cell] = {
     ("tp", "gguf"): refused(
@@ -581,6 +588,91 @@ CELLS: dict[tuple[str, str], Cell] = {
         note="The sleep forgets the pool's prefixes, not the directory's.",
     ),
     ("offload", "cuda"): not_run(NO_GPU),
+    # -- prefill/decode disaggregation (router --policy pd, serve --kv-role) ----------------
+    # "works": the request ran phase 1 on the prefill worker (the router's phase-1 counter)
+    # and the decode worker read its blocks (`cached_tokens`), and the answer equals the
+    # decode worker's own greedy answer to it with nothing cached.
+    ("tp", "pd"): refused(
+        "kv_offload_dir is not supported with tensor parallelism",
+        "tests/test_pd_worker.py::test_a_role_with_tensor_parallelism_is_refused_at_start",
+        note="A prefill or decode role needs the block store, which a sharded worker lacks.",
+    ),
+    ("gguf", "pd"): works(PD_GGUF, note="Both roles run the bundled model's GGUF blocks."),
+    ("int8", "pd"): works(PD_INT8),
+    ("lora", "pd"): works(
+        PD + "test_an_adapter_runs_both_phases",
+        note="`model` names the adapter in both phases; its blocks are keyed by the adapter.",
+    ),
+    ("spec", "pd"): works(
+        PD + "test_ngram_drafts_run_on_the_decode_worker",
+        note="Phase 1 is one token (no drafts); the decode worker drafts.",
+    ),
+    ("structured", "pd"): works(
+        PD + "test_a_json_schema_holds_through_pd",
+        PD_CLUSTER + "test_structured_output_through_pd",
+        note="Both phases carry the grammar; phase 1's one token is constrained too.",
+    ),
+    ("grpc", "pd"): refused(
+        "unrecognized arguments: --grpc-port",
+        PD + "test_the_pd_router_has_no_grpc_port",
+        note="Disaggregation is the router's, which speaks HTTP only, and "
+        "`kv_transfer_params` is not a gRPC field: a worker's own `--grpc-port` answers "
+        "without phase 1.",
+    ),
+    ("router", "pd"): works(
+        PD_GREEDY, PD_GGUF, note="`--policy pd` is a router policy (`cluster` starts one)."
+    ),
+    ("reasoning", "pd"): works(
+        PD_INT8, note="A thinking block the prompt opens comes back as `reasoning_content`."
+    ),
+    ("embed", "pd"): refused(
+        "kv_offload_dir extends the prefix cache: it needs prefix caching on",
+        PD_REFUSED.format("pooling"),
+        PD + "test_embeddings_through_pd_are_a_400",
+        note="A pooling runner cannot take a role; `/v1/embeddings` through a pd router "
+        "reaches a generating decode worker: a 400 naming `--runner pooling`.",
+    ),
+    ("messages", "pd"): works(
+        PD + "test_messages_are_served_by_a_decode_worker_without_phase_1",
+        note="Served by a decode worker without phase 1 (the decode worker prefills the "
+        "prompt itself); the answer equals the disaggregated chat completion's.",
+    ),
+    ("priority", "pd"): works(
+        PD + "test_priority_is_taken_by_both_phases",
+        note="Each worker orders its own phase; a hostile `priority` is phase 1's 400.",
+    ),
+    ("tokenio", "pd"): works(
+        PD + "test_token_level_io_through_pd",
+        PD_GREEDY,
+        note="Token-id prompts and `return_token_ids` read the store; a request with "
+        "`prompt_logprobs` runs phase 1 but the decode worker computes its whole prompt.",
+    ),
+    ("recorder", "pd"): works(
+        PD + "test_both_workers_record_their_phase",
+        note="Each worker records its own phase: phase 1 (`max_tokens` 1) on the prefill "
+        "worker, the answer on the decode worker.",
+    ),
+    ("tracing", "pd"): works(
+        PD + "test_one_trace_holds_both_phases",
+        note="One trace: the router's span with a call per phase, and each worker's span.",
+    ),
+    ("kvdtype", "pd"): refused(
+        "kv_cache_dtype int8 is not supported with kv_offload_dir",
+        PD_REFUSED.format("kv-cache-dtype"),
+        note="The block format has no scales; fp8 is refused alike.",
+    ),
+    ("sleep", "pd"): works(
+        PD + "test_a_sleeping_worker_under_pd",
+        note="A sleeping prefill worker's 503 falls back (the decode worker prefills); a "
+        "sleeping decode worker's 503 is the client's; the store outlives the sleep.",
+    ),
+    ("offload", "pd"): works(
+        PD_GREEDY,
+        PD_GGUF,
+        note="The store is the transport: `cluster` makes one under /dev/shm, or the "
+        "workers share one `--kv-offload-dir`.",
+    ),
+    ("pd", "cuda"): not_run(NO_GPU),
 }
 
 MARKS = {"works": "✅", "refused": "⛔", "not run": "❔"}
