@@ -10,6 +10,7 @@ metrics), the 4xx passthrough, streaming of phase 2, and the requests that have 
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -33,6 +34,9 @@ BAD_REQUEST = {"error": {"message": "bad temperature", "type": "invalid_request_
 BAD_REQUEST["error"].update(param="temperature", code=None)
 
 
+ARRIVALS = itertools.count()  # thread-safe: the stand-ins' handler threads share it
+
+
 class StandInWorker:
     """Serves /health (with its `kv_role`, or 503 while `healthy` is False) and /stats, and
     answers everything else as `mode` says, recording (path, parsed body) of each such request.
@@ -46,7 +50,8 @@ class StandInWorker:
         self.role = role
         self.mode = "ok"
         self.healthy = True
-        self.requests: list[tuple[str, object]] = []
+        self.requests: list[tuple[int, str, object]] = []
+        """(arrival number across all stand-ins, path, body)"""
         worker = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,7 +72,7 @@ class StandInWorker:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = raw.decode(errors="replace")
-                worker.requests.append((self.path, body))
+                worker.requests.append((next(ARRIVALS), self.path, body))
                 mode = worker.mode
                 if mode == "cut":
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -127,7 +132,9 @@ class Workers:
             worker.requests.clear()
 
     def received(self, workers: list[StandInWorker]) -> list[tuple[str, object]]:
-        return [request for worker in workers for request in worker.requests]
+        """(path, body) of what `workers` received, in arrival order across them."""
+        arrived = sorted(request for worker in workers for request in worker.requests)
+        return [(path, body) for _, path, body in arrived]
 
 
 @pytest.fixture(scope="module")
