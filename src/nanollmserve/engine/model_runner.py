@@ -64,13 +64,15 @@ from nanollmserve.layers.sampler import Penalties, Sampler, SamplerOutput, Sampl
 logger = logging.getLogger(__name__)
 
 FAIL_SAMPLING_SEED_ENV = "NANOLLMSERVE_FAIL_SAMPLING_SEED"
-NATIVE_PREFILL_MAX_TOKENS = 64
+NATIVE_PREFILL_MAX_TOKENS = 256
 """The longest prefill chunk of a request that runs on the native step. Measured on the
-bundled model (2-core Xeon with AMX, whose tiles the PyTorch forward's batched matmuls use),
-one request: 8 tokens 6.2 ms native vs 18.1 ms forward, 32: 19.5 vs 32.3, 64: 38.3 vs 50.6."""
-NATIVE_MAX_TOKENS = 256
-"""The most tokens of a step that runs as one native call (its attention is a loop over keys
-per token, where a long batch of prefill chunks is better served by the forward's SDPA)."""
+bundled model (2-core Xeon with AMX, whose tiles both paths' matmuls use from 64 rows), steps
+of 512 prefill tokens, native / forward time since a span attends as tiles
+(`scripts/native_prefill_crossover.py`, three runs): 8 x 64 tokens 0.81-0.86, 4 x 128
+0.81-0.90, 2 x 256 0.89-0.92, 1 x 512 0.96-1.02 (even: left to the forward's SDPA)."""
+NATIVE_MAX_TOKENS = 512
+"""The most tokens of a step that runs as one native call: the default
+`max_num_batched_tokens`, the largest step measured above."""
 
 
 class InjectedSamplingFailure(RuntimeError):
