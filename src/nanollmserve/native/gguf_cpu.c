@@ -698,14 +698,16 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                        : NULL;
 
     double mark = profiling ? omp_get_wtime() : 0.0;
-    /* the attention's tiles: a run of consecutive positions of one sequence (a prefill chunk,
-     * a verify span) in tiles of span_tile_tokens; span_len[t]: the tile starting at t, 0 inside one */
-    for (int64_t t = 0, tile = span_tile_tokens(group); t < T;) {
-        int64_t u = t + 1;
-        while (u < T && u - t < tile && seq_of_token[u] == seq_of_token[t] && positions[u] == positions[u - 1] + 1) u++;
-        span_len[t] = (int32_t)(u - t);
-        for (int64_t x = t + 1; x < u; x++) span_len[x] = 0;
-        t = u;
+    /* the attention's tiles: a run of consecutive positions of one sequence of at least
+     * SPAN_TILE_MIN_RUN tokens (a prefill chunk) in tiles of span_tile_tokens, any other token
+     * alone; span_len[t]: the tokens of the tile starting at t, 0 inside one */
+    for (int64_t t = 0; t < T;) {
+        int64_t end = t + 1;
+        while (end < T && seq_of_token[end] == seq_of_token[t] && positions[end] == positions[end - 1] + 1) end++;
+        const int64_t tile = end - t >= SPAN_TILE_MIN_RUN ? span_tile_tokens(group) : 1;
+        for (int64_t u = t; u < end; u++)
+            span_len[u] = (u - t) % tile ? 0 : (int32_t)(end - u < tile ? end - u : tile);
+        t = end;
     }
     for (int64_t t = 0; t < T; t++) embed_row(m, tokens[t], h + t * H);
 #pragma omp parallel num_threads(num_threads)
