@@ -25,7 +25,9 @@ pytestmark = pytest.mark.milestone("m26")
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16
 MAX_TOKENS = 64
-_TOPICS = ["rivers", "volcanoes", "glaciers", "deserts", "forests", "coral reefs"]
+# Two topics and two prompts sharing their prefix: the worker-level check of the contract;
+# the 8 prompts x 64 tokens through the router are tests/test_cluster_pd.py's.
+_TOPICS = ["rivers", "volcanoes"]
 _PREAMBLE = (
     "You are a careful geography teacher. Answer in plain sentences, give one concrete "
     "example, name the place, and say why it matters to the people who live nearby. "
