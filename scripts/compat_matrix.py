@@ -439,10 +439,10 @@ CELLS: dict[tuple[str, str], Cell] = {
     ),
     ("tracing", "cuda"): not_run(NO_GPU),
     # -- the quantized KV cache (--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2) -------------------
-    ("tp", "kvdtype"): refused(
-        "kv_cache_dtype int8 is not supported with tensor parallelism",
-        KV_REFUSED.format("engine_args0-tensor parallelism"),
-        note="The other ranks' pools are in the model dtype.",
+    ("tp", "kvdtype"): works(
+        "tests/test_tensor_parallel.py::test_a_quantized_kv_cache_shards_like_one_rank[int8]",
+        "tests/test_tensor_parallel.py::test_a_quantized_kv_cache_shards_like_one_rank[fp8_e4m3]",
+        note="Each rank quantizes its own KV heads; two ranks answer as one (int8 and fp8).",
     ),
     ("gguf", "kvdtype"): works(
         KV_DTYPE + "test_perplexity_with_int8_kv_is_within_half_a_percent",
@@ -578,7 +578,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ("tracing", "offload"): works(STORE_STACK),
     ("kvdtype", "offload"): refused(
         "kv_cache_dtype fp8 is not supported with kv_offload_dir",
-        KV_REFUSED.format("engine_args1-kv_offload_dir"),
+        KV_REFUSED.format("engine_args0-kv_offload_dir"),
         note="The block file format has no scales yet; int8 is refused alike.",
     ),
     ("sleep", "offload"): works(

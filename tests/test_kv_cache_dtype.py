@@ -382,7 +382,6 @@ def test_sleep_and_wake_keep_the_int8_cache(make_llm):
 @pytest.mark.parametrize(
     ("engine_args", "message"),
     [
-        ({"kv_cache_dtype": "int8", "tensor_parallel_size": 2}, "tensor parallelism"),
         ({"kv_cache_dtype": "fp8", "kv_offload_dir": "/tmp/kv"}, "kv_offload_dir"),
         ({"kv_cache_dtype": 8}, "kv_cache_dtype must be"),
         ({"kv_cache_dtype": None}, "kv_cache_dtype must be"),

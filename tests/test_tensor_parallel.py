@@ -67,6 +67,26 @@ def test_tiny_models_sharded_answer_like_one_rank(case: str, tmp_path: Path) -> 
     assert all(len(set(ids)) > 1 for ids in got)  # not a degenerate constant output
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_kv_cache_shards_like_one_rank(kv_cache_dtype: str, tmp_path: Path) -> None:
+    """Each rank writes and reads its own KV heads quantized (a scale per token and KV head),
+    so two ranks answer as one rank with the same quantized cache."""
+    make_tiny_hf_model(LlamaConfig, tmp_path)
+    AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(tmp_path)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in (5, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine_args = dict(dtype="float32", block_size=8, num_kv_blocks=48, max_num_batched_tokens=16)
+    engine_args["kv_cache_dtype"] = kv_cache_dtype
+    with LLM(str(tmp_path), **engine_args) as single:
+        expected = token_ids(single.generate(prompts, params, use_tqdm=False))
+    with LLM(str(tmp_path), tensor_parallel_size=2, **engine_args) as sharded:
+        assert sharded.engine.model_runner.kv_scales is not None
+        got = token_ids(sharded.generate(prompts, params, use_tqdm=False))
+    assert got == expected
+    assert all(len(set(ids)) > 1 for ids in got)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")

@@ -48,7 +48,7 @@ class EngineConfig:
     """auto (the model's dtype) | int8 | fp8_e4m3 | fp8_e5m2 (fp8 = fp8_e4m3): K and V stored
     as 8-bit codes with a float32 scale per token and KV head, about 3.8x the tokens of a
     float32 cache in the same memory (int8 runs the native decode step; fp8 the PyTorch
-    attention). Not with tensor parallelism or --kv-offload-dir."""
+    attention). Each tensor-parallel rank quantizes its own KV heads; not with --kv-offload-dir."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
     kv_offload_dir: str | None = None
@@ -163,11 +163,6 @@ class EngineConfig:
             )
         if self.kv_cache_dtype == "auto":
             return
-        if self.tensor_parallel_size > 1:
-            raise UserError(
-                f"kv_cache_dtype {self.kv_cache_dtype} is not supported with tensor "
-                "parallelism (the other ranks' pools are in the model dtype): use auto"
-            )
         if self.kv_offload_dir is not None:
             raise UserError(
                 f"kv_cache_dtype {self.kv_cache_dtype} is not supported with kv_offload_dir "

@@ -87,6 +87,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
             block_size=config.block_size,
             device=loaded.device,
             dtype=loaded.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,  # each rank quantizes its own KV heads
         )
         broadcast_int(None)  # ready: rank 0 serves once every rank has its KV cache
         logger.info(
