@@ -199,7 +199,9 @@ def test_a_compile_past_the_deadline_is_a_400_naming_the_flag(strict_server):
 def test_a_full_server_answers_503_before_doing_any_work(strict_server):
     strict_server.wait_idle()
     rejected_before = strict_server.stats()["num_requests_rejected"]
-    long_body = {"prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    # as many tokens as the context allows: it must still hold the one sequence after the
+    # three requests below, however slowly they are sent (closing the stream aborts it)
+    long_body = {"prompt": "Once", "max_tokens": 8000, "ignore_eos": True, "stream": True}
     with (
         strict_server.client() as client,
         client.stream("POST", "/v1/completions", json=long_body) as running,

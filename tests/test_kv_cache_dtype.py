@@ -349,9 +349,14 @@ def test_lora_on_int8(make_llm):
 
 
 def test_structured_output_on_int8(int8):
+    # bounded fields: the answer ends within max_tokens whatever digits the small model picks
+    # (unbounded, a greedy "rank": 1000... ran past them)
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+        },
         "required": ["city", "rank"],
     }
     params = SamplingParams(

@@ -215,6 +215,32 @@ def test_the_native_step_runs_several_tokens_of_a_sequence_like_the_forward(make
 
 
 @pytest.mark.milestone("m22")
+def test_a_verify_span_gives_the_bits_of_its_tokens_one_at_a_time(make_llm):
+    """Decode tokens and verify spans attend over chunks of their keys (64 each, more past
+    1,024 keys), one work item per KV head and chunk, merged after. At a context inside one
+    chunk, over several, and across the length where the chunks grow, a 5-token span's logits
+    equal the PyTorch forward's, and, bit for bit, those of its tokens run one at a time: a
+    row's numbers depend on its own context only, not on the rows beside it."""
+    llm = make_llm(quantization="gguf", block_size=16, num_kv_blocks=160)
+    runner = llm.engine.model_runner
+    token_ids = (llm.tokenizer.encode(PROMPTS[1]) * 40)[:1100]
+    block_ids = [(7 * i + 3) % 160 for i in range(-(-1100 // runner.block_size))]
+    for position in (10, 300, 1021):
+        worst, kv_error = native_against_forward(llm, token_ids, position, 5)
+        assert worst < 1e-3 and kv_error < 1e-3, (position, worst, kv_error)
+        span = runner.native_decode(
+            [StepSpan(token_ids[position : position + 5], position, block_ids, 5)]
+        )
+        one_at_a_time = torch.cat(
+            [
+                runner.native_decode([StepSpan([token_ids[p]], p, block_ids, 1)])
+                for p in range(position, position + 5)
+            ]
+        )
+        assert torch.equal(span, one_at_a_time), position
+
+
+@pytest.mark.milestone("m22")
 def test_a_chunked_prefill_of_a_lone_request_runs_natively(make_llm):
     """Chunks of 16 of a 49-token prompt: three native prefill steps that give no logits, the
     prompt's last token (a step like a decode), then decode steps, all native; the answer is

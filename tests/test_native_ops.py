@@ -269,6 +269,18 @@ def reference_attention(q, k_cache, v_cache, tables, lens, scale) -> torch.Tenso
     return out
 
 
+def test_paged_decode_attention_merges_the_chunks_of_long_contexts(kernels):
+    """A context's keys attend in chunks (64 keys, more past 1,024) whose partial softmaxes
+    merge: one key, exactly one chunk, one key past it, several, and chunks of 128 all equal a
+    dense reference."""
+    lengths = (1, 64, 65, 200, 1500)
+    width = -(-max(lengths) // BLOCK)
+    inputs = (*attention_inputs(lengths=lengths, num_blocks=len(lengths) * width), DIM**-0.5)
+    assert torch.allclose(
+        ops.paged_decode_attention(*inputs), reference_attention(*inputs), atol=1e-5
+    )
+
+
 @pytest.fixture
 def three_threads():
     threads = torch.get_num_threads()

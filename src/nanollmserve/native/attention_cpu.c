@@ -12,79 +12,199 @@
 
 #include "native.h"
 
-/* The `group` query heads that share KV head `g` (grouped-query attention: their queries and
- * outputs are `group` consecutive heads of `hd` floats) over a sequence's first `ctx` keys,
- * read in place from the paged cache through the sequence's block table: softmax of the
- * scaled dot products, then the weighted sum of the values. Each key and value row is read
- * once for all the group's heads (up to 8 at a time); an int8 row's scale multiplies its
- * dot product (keys) or its softmax weight (values). `scores`: room for group * ctx floats. */
-#define ATTEND_HEADS 8
+/* The scaled dot products of query row `q` with 8 keys (`keys[c]`: hd floats each, their
+ * scales in `key_scale`) as one vector: 8 accumulators, reduced together at the end. */
+static inline __m256 scores8(const float *q, const float *const keys[8], __m256 key_scale, int hd) {
+    __m256 a[8];
+    for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+    for (int i = 0; i < hd; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(q + i);
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[c] + i), a[c]);
+    }
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+    return _mm256_mul_ps(dots, key_scale);
+}
 
-/* `int8` is a constant at each call: the compiler makes one copy per cache type, without the
- * test in the loops. */
-static inline __attribute__((always_inline)) void attend_group(const float *q, const nls_kv_cache *kv, int kvh,
-                                                               int g, int group, int hd, int bs, float scale,
-                                                               const int64_t *block_table, int64_t ctx,
-                                                               float *scores, float *out, const int int8) {
-    for (int j0 = 0; j0 < group; j0 += ATTEND_HEADS) {
-        const int heads = group - j0 < ATTEND_HEADS ? group - j0 : ATTEND_HEADS;
-        const float *qg = q + (int64_t)j0 * hd;
-        float max_score[ATTEND_HEADS], sum[ATTEND_HEADS];
-        for (int j = 0; j < heads; j++) max_score[j] = -INFINITY;
-        for (int64_t t = 0; t < ctx; t++) {
-            const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
-            for (int j = 0; j < heads; j++) {
-                const float *qj = qg + (int64_t)j * hd;
-                const float s = int8 ? dot_f32_i8(qj, (const int8_t *)kv->k + row * hd, hd) * (kv->k_scale[row] * scale)
-                                     : dot_f32(qj, (const float *)kv->k + row * hd, hd) * scale;
-                scores[j * ctx + t] = s;
-                max_score[j] = s > max_score[j] ? s : max_score[j];
-            }
+/* Hints the cache to load K or V row `row` (hd floats or int8 codes). */
+static inline void prefetch_row(const void *cache, int64_t row, int hd, int int8) {
+    const char *p = (const char *)cache + row * hd * (int8 ? 1 : (int64_t)sizeof(float));
+    for (int64_t i = 0; i < hd * (int8 ? 1 : (int64_t)sizeof(float)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+/* Query rows of one sequence over KV head `g`: the `group` query heads of each of `n`
+ * consecutive tokens at positions p0 .. p0 + n - 1 (a decode token alone, n = 1, or a
+ * speculative verify span), row i * group + j at q + i * q_stride + j * hd, over the keys
+ * [k0, k1) each row sees (token i's keys are those < p0 + i + 1). -> `part`, hd + 2 floats per
+ * row: the largest score (-inf for a row that sees none of these keys), the sum of
+ * exp(score - largest) and the values weighted by those exponentials, not yet divided by the
+ * sum (`nls_merge_chunks` joins a row's chunks). Up to ATTEND_ROWS rows at a time: the scores
+ * 8 keys per row at a time, the weighted values 16 dimensions of every row at a time from
+ * registers, each value row read once for all of them. An int8 row's scale multiplies its dot
+ * product (keys) or its values. A row's arithmetic does not depend on which rows share its
+ * pass (a key past a row's own gets weight 0), so a verify row gets the numbers its token
+ * would get alone. `scores`: ATTEND_ROWS * (k1 - k0 rounded up to 8) floats. `int8` is a
+ * constant at each call: the compiler makes one copy per cache type. */
+static inline __attribute__((always_inline)) void attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv,
+                                                               int kvh, int g, int group, int hd, int bs, float scale,
+                                                               const int64_t *block_table, int64_t p0, int n,
+                                                               int64_t k0, int64_t k1, float *scores, float *part,
+                                                               const int int8) {
+    static const float zero_key[MAX_HEAD_DIM];
+    float key_floats[8 * MAX_HEAD_DIM]; /* 8 int8 keys as floats */
+    const int rows = n * group;
+    const int64_t width = (k1 - k0 + 7) / 8 * 8;
+    for (int r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
+        const int nr = rows - r0 < ATTEND_ROWS ? rows - r0 : ATTEND_ROWS;
+        const float *qr[ATTEND_ROWS];
+        int64_t end[ATTEND_ROWS];
+        for (int x = 0; x < nr; x++) {
+            const int r = r0 + x;
+            const int64_t own = p0 + r / group + 1;
+            qr[x] = q + (r / group) * q_stride + (int64_t)(r % group) * hd;
+            end[x] = own < k1 ? own : k1; /* rows in token order: end never decreases */
         }
-        for (int j = 0; j < heads; j++) {
-            float *row = scores + j * ctx;
+        const int64_t last = end[nr - 1];
+        /* key t's cache row: (block_table[t / bs] * bs + t % bs) * kvh + g, stepped without a
+         * division per key */
+        int64_t block = k0 / bs, offset = k0 % bs;
+        for (int64_t t0 = k0; t0 < last; t0 += 8) {
+            const float *keys[8];
+            float key_scale[8];
+            for (int c = 0; c < 8; c++) {
+                const int64_t t = t0 + c;
+                if (t >= last) {
+                    keys[c] = zero_key, key_scale[c] = 0.0f;
+                    continue;
+                }
+                const int64_t row = (block_table[block] * bs + offset) * kvh + g;
+                if (++offset == bs) offset = 0, block++;
+                if (r0 == 0) { /* the first pass over the chunk: ask for the next group's keys and
+                                * this key's values early (the V loads missed otherwise) */
+                    const int64_t ahead = t + 8;
+                    if (ahead < last)
+                        prefetch_row(kv->k, (block_table[ahead / bs] * bs + ahead % bs) * kvh + g, hd, int8);
+                    prefetch_row(kv->v, row, hd, int8);
+                }
+                if (int8) {
+                    for (int i = 0; i < hd; i += 8)
+                        _mm256_storeu_ps(key_floats + c * hd + i, load_i8x8((const int8_t *)kv->k + row * hd + i));
+                    keys[c] = key_floats + c * hd, key_scale[c] = kv->k_scale[row] * scale;
+                } else {
+                    keys[c] = (const float *)kv->k + row * hd, key_scale[c] = scale;
+                }
+            }
+            const __m256 ks = _mm256_loadu_ps(key_scale);
+            for (int x = 0; x < nr; x++)
+                if (end[x] > t0) _mm256_storeu_ps(scores + x * width + (t0 - k0), scores8(qr[x], keys, ks, hd));
+        }
+        float largest[ATTEND_ROWS], sum[ATTEND_ROWS];
+        for (int x = 0; x < nr; x++) {
+            float *row = scores + x * width;
+            const int64_t count = end[x] - k0, seen = last - k0;
+            largest[x] = -INFINITY, sum[x] = 0.0f;
+            for (int64_t t = 0; t < count; t++) largest[x] = row[t] > largest[x] ? row[t] : largest[x];
             __m256 sum8 = _mm256_setzero_ps();
-            const __m256 mx = _mm256_set1_ps(max_score[j]);
+            const __m256 mx = _mm256_set1_ps(largest[x]);
             int64_t t = 0;
-            for (; t + 8 <= ctx; t += 8) {
-                __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), mx));
+            for (; t + 8 <= count; t += 8) {
+                const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), mx));
                 _mm256_storeu_ps(row + t, e);
                 sum8 = _mm256_add_ps(sum8, e);
             }
-            sum[j] = hsum_ps(sum8);
-            for (; t < ctx; t++) {
-                row[t] = expf(row[t] - max_score[j]);
-                sum[j] += row[t];
+            sum[x] = hsum_ps(sum8);
+            for (; t < count; t++) {
+                row[t] = expf(row[t] - largest[x]);
+                sum[x] += row[t];
+            }
+            for (t = count > 0 ? count : 0; t < seen; t++) row[t] = 0.0f; /* keys past the row's own */
+        }
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            const int pair = hd - d0 >= 16;
+            __m256 acc[ATTEND_ROWS][2];
+            for (int x = 0; x < ATTEND_ROWS; x++) acc[x][0] = acc[x][1] = _mm256_setzero_ps();
+            block = k0 / bs, offset = k0 % bs;
+            for (int64_t t = k0; t < last; t++) {
+                const int64_t row = (block_table[block] * bs + offset) * kvh + g;
+                if (++offset == bs) offset = 0, block++;
+                __m256 v0, v1 = _mm256_setzero_ps();
+                if (int8) {
+                    const int8_t *v = (const int8_t *)kv->v + row * hd + d0;
+                    const __m256 vs = _mm256_set1_ps(kv->v_scale[row]);
+                    v0 = _mm256_mul_ps(load_i8x8(v), vs);
+                    if (pair) v1 = _mm256_mul_ps(load_i8x8(v + 8), vs);
+                } else {
+                    const float *v = (const float *)kv->v + row * hd + d0;
+                    v0 = _mm256_loadu_ps(v);
+                    if (pair) v1 = _mm256_loadu_ps(v + 8);
+                }
+                for (int x = 0; x < ATTEND_ROWS; x++) {
+                    if (x >= nr) break;
+                    const __m256 w = _mm256_broadcast_ss(scores + x * width + (t - k0));
+                    acc[x][0] = _mm256_fmadd_ps(w, v0, acc[x][0]);
+                    acc[x][1] = _mm256_fmadd_ps(w, v1, acc[x][1]);
+                }
+            }
+            for (int x = 0; x < nr; x++) {
+                float *p = part + (int64_t)(r0 + x) * (hd + 2);
+                _mm256_storeu_ps(p + 2 + d0, acc[x][0]);
+                if (pair) _mm256_storeu_ps(p + 2 + d0 + 8, acc[x][1]);
             }
         }
-        float acc[ATTEND_HEADS][MAX_HEAD_DIM];
-        for (int j = 0; j < heads; j++) memset(acc[j], 0, sizeof(float) * (size_t)hd);
-        for (int64_t t = 0; t < ctx; t++) {
-            const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
-            const float row_scale = int8 ? kv->v_scale[row] : 1.0f;
-            __m256 weight[ATTEND_HEADS];
-            for (int j = 0; j < heads; j++) weight[j] = _mm256_set1_ps(scores[j * ctx + t] * row_scale);
-            for (int i = 0; i < hd; i += 8) {
-                const __m256 vi = int8 ? load_i8x8((const int8_t *)kv->v + row * hd + i)
-                                       : _mm256_loadu_ps((const float *)kv->v + row * hd + i);
-                for (int j = 0; j < heads; j++)
-                    _mm256_storeu_ps(acc[j] + i, _mm256_fmadd_ps(weight[j], vi, _mm256_loadu_ps(acc[j] + i)));
-            }
-        }
-        for (int j = 0; j < heads; j++) {
-            const float inv = 1.0f / sum[j];
-            float *o = out + (int64_t)(j0 + j) * hd;
-            for (int i = 0; i < hd; i++) o[i] = acc[j][i] * inv;
+        for (int x = 0; x < nr; x++) {
+            float *p = part + (int64_t)(r0 + x) * (hd + 2);
+            p[0] = largest[x], p[1] = sum[x];
         }
     }
 }
 
-void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
-                      float scale, const int64_t *block_table, int64_t ctx, float *scores, float *out) {
+void nls_attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
+                      int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t k0, int64_t k1,
+                      float *scores, float *part) {
     if (kv->dtype == NLS_KV_INT8)
-        attend_group(q, kv, kvh, g, group, hd, bs, scale, block_table, ctx, scores, out, 1);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, 1);
     else
-        attend_group(q, kv, kvh, g, group, hd, bs, scale, block_table, ctx, scores, out, 0);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, 0);
+}
+
+/* One query row's output from its partials over `chunks` chunks (`nls_attend_chunk`'s, hd + 2
+ * floats each, `part_stride` floats apart): each chunk's exponentials rescaled to the largest
+ * score of all, summed in chunk order, divided by the total. A chunk the row sees no key of
+ * adds exact zeros, so a row's bits depend only on its own context length. */
+void nls_merge_chunks(const float *part, int64_t part_stride, int chunks, int hd, float *out) {
+    float largest = -INFINITY, weight[ATTEND_MAX_CHUNKS], total = 0.0f;
+    for (int c = 0; c < chunks; c++) largest = part[c * part_stride] > largest ? part[c * part_stride] : largest;
+    for (int c = 0; c < chunks; c++) {
+        weight[c] = part[c * part_stride + 1] > 0.0f ? expf(part[c * part_stride] - largest) : 0.0f;
+        total += part[c * part_stride + 1] * weight[c];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int i = 0; i < hd; i += 8) {
+        __m256 o = _mm256_setzero_ps();
+        for (int c = 0; c < chunks; c++)
+            o = _mm256_fmadd_ps(_mm256_set1_ps(weight[c]), _mm256_loadu_ps(part + c * part_stride + 2 + i), o);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(o, inv));
+    }
+}
+
+/* The `group` query heads that share KV head `g` (grouped-query attention: `group`
+ * consecutive heads of `hd` floats) over a sequence's first `ctx` keys, read in place from the
+ * paged cache through its block table: the chunks of `attend_chunks(ctx)` one after another,
+ * then merged, the same numbers as a decode step's items. `scratch`: attend_scratch_floats. */
+void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
+                      float scale, const int64_t *block_table, int64_t ctx, float *scratch, float *out) {
+    const int64_t keys = attend_chunk_keys(ctx), chunks = attend_chunks(ctx);
+    float *part = scratch + ATTEND_ROWS * keys;
+    const int64_t stride = (int64_t)group * (hd + 2);
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t k1 = (c + 1) * keys < ctx ? (c + 1) * keys : ctx;
+        nls_attend_chunk(q, 0, kv, kvh, g, group, hd, bs, scale, block_table, ctx - 1, 1, c * keys, k1, scratch,
+                         part + c * stride);
+    }
+    for (int j = 0; j < group; j++)
+        nls_merge_chunks(part + (int64_t)j * (hd + 2), stride, (int)chunks, hd, out + (int64_t)j * hd);
 }
 
 /* ------------------------------------- attention of a span of one sequence's tokens -- */
@@ -217,7 +337,7 @@ void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, i
 /* One thread's attention scores: a KV head's group of query heads over up to `max_context`
  * keys, rounded to whole cache lines so no two threads write the same line. */
 static inline int64_t scores_bytes(int32_t num_heads, int32_t num_kv_heads, int64_t max_context) {
-    return ((int64_t)(num_heads / num_kv_heads) * max_context * (int64_t)sizeof(float) + 63) / 64 * 64;
+    return (attend_scratch_floats(max_context, num_heads / num_kv_heads) * (int64_t)sizeof(float) + 63) / 64 * 64;
 }
 
 /* Bytes of the workspace `nls_paged_decode_attention` needs for block tables covering

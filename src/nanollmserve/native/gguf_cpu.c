@@ -568,9 +568,53 @@ static int64_t widest_input(const nls_model *m) {
 /* Each thread's own scratch (block-product accumulators, attention scores) starts on its own
  * cache line. */
 static int64_t thread_scores_floats(const nls_model *m) {
-    const int64_t decode = (int64_t)(m->num_heads / m->num_kv_heads) * m->max_context;
+    const int64_t chunk = ATTEND_ROWS * attend_chunk_keys(m->max_context);
     const int64_t span = span_scores_floats(m->max_context);
-    return decode > span ? decode : span;
+    return chunk > span ? chunk : span;
+}
+
+/* The attention's work units, in token order: a tile (a piece of a run of at least
+ * SPAN_TILE_MIN_RUN consecutive positions of one sequence: `nls_attend_span`, one item per KV
+ * head) or the query rows of fewer consecutive tokens of one sequence (a decode token, a verify
+ * span) whose keys split into the same chunks: one item per chunk, for every KV head
+ * (`nls_attend_chunk`), their partials merged after. */
+typedef struct {
+    int64_t first_token, first_item, part; /* part: the unit's partials, in floats */
+    int32_t tokens, chunks;                /* chunks: 0 for a tile */
+} attend_unit;
+
+/* Partial floats of the attention's chunked units for `T` tokens. */
+static int64_t attend_part_floats(const nls_model *m, int64_t T) {
+    return T * m->num_heads * (int64_t)ATTEND_MAX_CHUNKS * (m->head_dim + 2);
+}
+
+/* The step's units (at most T + 1 with the sentinel) -> how many; units[count].first_item is
+ * the number of items. */
+static int64_t attend_units(const nls_model *m, const int64_t *positions, const int64_t *seq_of_token, int64_t T,
+                            attend_unit *units) {
+    const int group = m->num_heads / m->num_kv_heads;
+    const int64_t rows_part = (int64_t)m->num_heads * (m->head_dim + 2);
+    int64_t count = 0, items = 0, part = 0;
+    for (int64_t t = 0; t < T;) {
+        int64_t end = t + 1;
+        while (end < T && seq_of_token[end] == seq_of_token[t] && positions[end] == positions[end - 1] + 1) end++;
+        const int tiled = end - t >= SPAN_TILE_MIN_RUN;
+        for (int64_t u = t; u < end;) {
+            int64_t n = 1;
+            if (tiled)
+                n = end - u < span_tile_tokens(group) ? end - u : span_tile_tokens(group);
+            else /* one unit while the tokens' keys split alike */
+                while (u + n < end && attend_chunk_keys(positions[u + n] + 1) == attend_chunk_keys(positions[u] + 1)) n++;
+            const int32_t chunks = tiled ? 0 : (int32_t)attend_chunks(positions[u + n - 1] + 1);
+            units[count++] = (attend_unit){u, items, part, (int32_t)n, chunks};
+            items += tiled ? m->num_kv_heads : chunks;
+            part += tiled ? 0 : n * chunks * rows_part;
+            u += n;
+        }
+        t = end;
+    }
+    units[count] = (attend_unit){T, items, part, 0, 0};
+    return count;
 }
 
 static int64_t thread_scratch_bytes(const nls_model *m, int64_t num_tokens) {
@@ -602,8 +646,9 @@ int64_t nls_decode_scratch_bytes(const nls_model *m, int64_t num_tokens, int num
                                 + m->hidden                     /* projection output */
                                 + 2 * (widest / QK));           /* activation block scales and sums */
     return 64 +
-           round_up_64(floats * (int64_t)sizeof(float) + T * widest * (int64_t)sizeof(int16_t) +
-                       T * (int64_t)sizeof(int32_t) /* span_len */) +
+           round_up_64(floats * (int64_t)sizeof(float) + T * widest * (int64_t)sizeof(int16_t)) +
+           round_up_64((T + 1) * (int64_t)sizeof(attend_unit)) +
+           round_up_64(attend_part_floats(m, T) * (int64_t)sizeof(float)) +
            (int64_t)num_threads * thread_scratch_bytes(m, T) + amx_scratch_bytes(widest, T, num_threads);
 }
 
@@ -691,24 +736,16 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
     float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I, *proj = act + T * I;
     float *dx = proj + T * H, *sx = dx + T * (widest / QK);
     int16_t *xq = (int16_t *)(sx + T * (widest / QK));
-    int32_t *span_len = (int32_t *)(xq + T * widest);
-    uint8_t *per_thread = (uint8_t *)h + round_up_64((int64_t)((uint8_t *)(span_len + T) - (uint8_t *)h));
+    attend_unit *units = (attend_unit *)((uint8_t *)h + round_up_64((int64_t)((uint8_t *)(xq + T * widest) - (uint8_t *)h)));
+    float *parts = (float *)((uint8_t *)units + round_up_64((T + 1) * (int64_t)sizeof(attend_unit)));
+    uint8_t *per_thread = (uint8_t *)parts + round_up_64(attend_part_floats(m, T) * (int64_t)sizeof(float));
     uint8_t *amx = amx_scratch_bytes(widest, T, num_threads)
                        ? per_thread + (int64_t)num_threads * thread_scratch_bytes(m, T)
                        : NULL;
 
     double mark = profiling ? omp_get_wtime() : 0.0;
-    /* the attention's tiles: a run of consecutive positions of one sequence of at least
-     * SPAN_TILE_MIN_RUN tokens (a prefill chunk) in tiles of span_tile_tokens, any other token
-     * alone; span_len[t]: the tokens of the tile starting at t, 0 inside one */
-    for (int64_t t = 0; t < T;) {
-        int64_t end = t + 1;
-        while (end < T && seq_of_token[end] == seq_of_token[t] && positions[end] == positions[end - 1] + 1) end++;
-        const int64_t tile = end - t >= SPAN_TILE_MIN_RUN ? span_tile_tokens(group) : 1;
-        for (int64_t u = t; u < end; u++)
-            span_len[u] = (u - t) % tile ? 0 : (int32_t)(end - u < tile ? end - u : tile);
-        t = end;
-    }
+    const int64_t num_units = attend_units(m, positions, seq_of_token, T, units);
+    const int64_t num_items = units[num_units].first_item;
     for (int64_t t = 0; t < T; t++) embed_row(m, tokens[t], h + t * H);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -740,21 +777,46 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             }
             PHASE(PHASE_ROPE_KV);
             /* every token's K/V is in the cache (the loop's barrier): token t sees keys <= its own;
-             * the items' lengths differ between sequences, hence dynamic */
+             * the items' lengths differ, hence dynamic */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < T * kvh; item++) {
-                const int64_t t = item / kvh;
-                const int n = span_len[t], g = (int)(item % kvh);
-                if (n == 0) continue;
-                const float *qt = qkv + t * qkv_size + (int64_t)g * group * hd;
-                float *ot = attn + t * q_size + (int64_t)g * group * hd;
+            for (int64_t item = 0; item < num_items; item++) {
+                int64_t lo = 0, hi = num_units - 1; /* the unit holding the item */
+                while (lo < hi) {
+                    const int64_t mid = (lo + hi + 1) / 2;
+                    if (units[mid].first_item <= item) lo = mid;
+                    else hi = mid - 1;
+                }
+                const attend_unit *u = &units[lo];
+                const int64_t t = u->first_token, k = item - u->first_item;
                 const int64_t *table = block_tables + seq_of_token[t] * table_width;
-                if (n == 1)
-                    nls_attend_group(qt, &kv, kvh, g, group, hd, m->block_size, m->attn_scale, table, positions[t] + 1,
-                                     scores, ot);
-                else
-                    nls_attend_span(qt, qkv_size, &kv, kvh, g, group, hd, m->block_size, m->attn_scale, table,
-                                    positions[t], n, scores, kt, ot, q_size);
+                if (u->chunks == 0) {
+                    const int64_t head = (int64_t)k * group * hd;
+                    nls_attend_span(qkv + t * qkv_size + head, qkv_size, &kv, kvh, (int)k, group, hd, m->block_size,
+                                    m->attn_scale, table, positions[t], u->tokens, scores, kt, attn + t * q_size + head,
+                                    q_size);
+                    continue;
+                }
+                /* a chunk of keys for every KV head: each token's K/V row of all heads is one
+                 * contiguous read */
+                const int64_t rows = (int64_t)u->tokens * group;
+                const int64_t keys = attend_chunk_keys(positions[t] + 1), ctx = positions[t] + u->tokens;
+                const int64_t k1 = (k + 1) * keys < ctx ? (k + 1) * keys : ctx;
+                for (int g = 0; g < kvh; g++)
+                    nls_attend_chunk(qkv + t * qkv_size + (int64_t)g * group * hd, qkv_size, &kv, kvh, g, group, hd,
+                                     m->block_size, m->attn_scale, table, positions[t], u->tokens, k * keys, k1, scores,
+                                     parts + u->part + (g * u->chunks + k) * rows * (hd + 2));
+            }
+            /* each chunked row's partials -> its output */
+#pragma omp for schedule(static)
+            for (int64_t x = 0; x < num_units * kvh; x++) {
+                const attend_unit *u = &units[x / kvh];
+                const int g = (int)(x % kvh);
+                if (u->chunks == 0) continue;
+                const int64_t rows = (int64_t)u->tokens * group;
+                for (int64_t r = 0; r < rows; r++)
+                    nls_merge_chunks(parts + u->part + (g * u->chunks * rows + r) * (hd + 2), rows * (hd + 2),
+                                     u->chunks, hd,
+                                     attn + (u->first_token + r / group) * q_size + ((int64_t)g * group + r % group) * hd);
             }
             PHASE(PHASE_ATTENTION);
 #pragma omp for schedule(static)

@@ -113,13 +113,42 @@ typedef struct {
 } nls_kv_cache;
 
 
+/* Attention of decode tokens and short spans (attention_cpu.c) splits each query row's keys
+ * into chunks of attend_chunk_keys(ctx) keys at fixed positions (64, or more so that there are
+ * at most ATTEND_MAX_CHUNKS): each (KV head, chunk) is a work item of its own, so even one
+ * sequence's three KV heads keep two threads busy, and the chunks' partial softmaxes merge
+ * exactly as the row would alone. The chunks depend only on the row's own context length, never
+ * on the batch: a request's numbers do not change with what runs beside it. */
+#define ATTEND_ROWS 6 /* query rows that share one read of a key and value row */
+#define ATTEND_CHUNK_KEYS 64
+#define ATTEND_MAX_CHUNKS 16
+static inline int64_t attend_chunk_keys(int64_t ctx) {
+    const int64_t per = (ctx + ATTEND_MAX_CHUNKS - 1) / ATTEND_MAX_CHUNKS;
+    const int64_t keys = (per + ATTEND_CHUNK_KEYS - 1) / ATTEND_CHUNK_KEYS * ATTEND_CHUNK_KEYS;
+    return keys > ATTEND_CHUNK_KEYS ? keys : ATTEND_CHUNK_KEYS;
+}
+static inline int64_t attend_chunks(int64_t ctx) {
+    const int64_t keys = attend_chunk_keys(ctx);
+    return (ctx + keys - 1) / keys;
+}
+/* The floats `nls_attend_group` needs for contexts up to `max_context`: one chunk's scores for
+ * ATTEND_ROWS rows and every chunk's partials for `group` rows. */
+static inline int64_t attend_scratch_floats(int64_t max_context, int group) {
+    return ATTEND_ROWS * attend_chunk_keys(max_context) + (int64_t)group * (MAX_HEAD_DIM + 2) * ATTEND_MAX_CHUNKS;
+}
+
+void nls_attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
+                      int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t k0, int64_t k1,
+                      float *scores, float *part);
+void nls_merge_chunks(const float *part, int64_t part_stride, int chunks, int hd, float *out);
 void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
-                      float scale, const int64_t *block_table, int64_t ctx, float *scores, float *out);
+                      float scale, const int64_t *block_table, int64_t ctx, float *scratch, float *out);
 
 /* A span of one sequence's consecutive tokens attends as a tile of up to SPAN_TILE_ROWS_MAX
  * query rows (tokens x the KV head's query heads): `span_tile_tokens(group)` tokens at a time,
- * when the run has at least SPAN_TILE_MIN_RUN tokens. Shorter runs (a verify span) attend token
- * by token: with few tiles, two threads share 3 KV heads' items unevenly, and the transposed
+ * when the run has at least SPAN_TILE_MIN_RUN tokens. Shorter runs (a verify span) attend as
+ * query rows over chunks (`nls_attend_chunk`, the decode tokens' kernel, each key read once for
+ * 6 rows): with few tiles, two threads share 3 KV heads' items unevenly, and the transposed
  * keys cost more than they save. Measured (the bundled model, 2 threads, median of 20 calls):
  * a 5-token verify span at position 450 14.5 ms token by token vs 17.5 ms as one tile; a
  * 256-token prefill chunk at 384 400 vs 325 ms, at 0 232 vs 215 ms. */
