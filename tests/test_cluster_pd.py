@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -127,16 +128,22 @@ def test_greedy_output_through_pd_equals_a_colocated_server(cluster, colocated) 
     roles = [w["kv_role"] for w in cluster.stats()["workers"]]
     assert roles == ["prefill", "decode"]
     phase_ones = _metric(cluster, LATENCY_COUNT)
-    for prompt in NON_STREAMED:
-        expected = _complete(colocated.url, prompt)["choices"][0]
+    # The colocated answers are asked for all at once (greedy tokens do not depend on the
+    # batch: test_engine_generation.py::test_batch_invariance); the cluster's one at a time,
+    # so the prefill worker's prefix cache serves the shared system prompt.
+    with ThreadPoolExecutor(len(NON_STREAMED) + len(STREAMED)) as pool:
+        colocated_answers = list(
+            pool.map(lambda prompt: _complete(colocated.url, prompt), NON_STREAMED + STREAMED)
+        )
+    references = [answer["choices"][0] for answer in colocated_answers]
+    for prompt, expected in zip(NON_STREAMED, references[: len(NON_STREAMED)], strict=True):
         answer = _complete(cluster.url, prompt)
         got = answer["choices"][0]
         assert got["token_ids"] == expected["token_ids"] and len(got["token_ids"]) == 64
         assert got["text"] == expected["text"]
         # New to the decode worker: its cached tokens came from the store.
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, prompt
-    for prompt in STREAMED:
-        expected = _complete(colocated.url, prompt)["choices"][0]
+    for prompt, expected in zip(STREAMED, references[len(NON_STREAMED) :], strict=True):
         tokens, text = _stream(cluster.url, prompt)
         assert tokens == expected["token_ids"] and text == expected["text"]
     assert _metric(cluster, LATENCY_COUNT) == phase_ones + len(NON_STREAMED) + len(STREAMED)

@@ -177,9 +177,12 @@ def test_step_record_out_of_range_is_refused(value):
 @pytest.mark.milestone("m24")
 @pytest.mark.timeout(400)
 def test_a_priority_preemption_mid_run_is_recorded_with_its_reason_and_replays(make_llm, tmp_path):
+    from cluster_process import tiny_model_dir
+
     from nanollmserve.engine.messages import EngineCoreRequest
 
     llm = make_llm(
+        model=str(tiny_model_dir()),  # the tiny model: the scheduling is under test, not the model
         num_kv_blocks=8,
         max_model_len=128,
         enable_prefix_caching=False,

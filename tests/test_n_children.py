@@ -5,6 +5,7 @@ caching each child holds its own copy of the prompt."""
 from __future__ import annotations
 
 import pytest
+from cluster_process import tiny_model_dir
 
 from nanollmserve import SamplingParams
 
@@ -15,8 +16,11 @@ BLOCK_SIZE = 16
 
 
 def peak_blocks(make_llm, n: int, prefix_caching: bool) -> int:
-    """Peak KV blocks in use while a fresh engine answers one `n`-completion request."""
-    llm = make_llm(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+    """Peak KV blocks in use while a fresh engine answers one `n`-completion request (on the
+    tiny random-weight model: block accounting does not depend on the weights)."""
+    llm = make_llm(
+        model=str(tiny_model_dir()), block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
+    )
     prompt = [(7 * i + 3) % 1000 + 100 for i in range(PROMPT_LEN)]
     params = SamplingParams(n=n, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     out = llm.generate(prompt, params)[0]

@@ -6,6 +6,7 @@ outputs stay those of unpreempted runs. Under fcfs a non-zero priority is refuse
 from __future__ import annotations
 
 import pytest
+from cluster_process import tiny_model_dir
 
 from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.errors import ParamError
@@ -40,7 +41,10 @@ def _run_to_end(engine) -> tuple[list[str], dict[str, list[int]]]:
 
 @pytest.mark.timeout(300)
 def test_high_priority_preempts_a_full_pool_starts_next_step_and_finishes_first(make_llm):
+    # The tiny random-weight model: the scheduling is under test, and ~370 steps of it take
+    # seconds instead of tens of seconds.
     llm = make_llm(
+        model=str(tiny_model_dir()),
         num_kv_blocks=8,
         block_size=16,
         max_model_len=128,
@@ -81,7 +85,13 @@ def test_high_priority_preempts_a_full_pool_starts_next_step_and_finishes_first(
 @pytest.mark.timeout(300)
 def test_fcfs_leaves_the_late_request_waiting_for_the_full_pool(make_llm):
     """The same scenario under fcfs: the late request waits (no preemption for it)."""
-    llm = make_llm(num_kv_blocks=8, block_size=16, max_model_len=128, enable_prefix_caching=False)
+    llm = make_llm(
+        model=str(tiny_model_dir()),
+        num_kv_blocks=8,
+        block_size=16,
+        max_model_len=128,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     steps = _scheduled_ids(engine)
     low = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)

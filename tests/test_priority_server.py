@@ -16,6 +16,7 @@ import time
 import grpc
 import openai
 import pytest
+from cluster_process import tiny_model_dir
 from live_server import LiveServer, free_port, shared_server
 
 from nanollmserve.api.grpc_client import connect
@@ -29,7 +30,10 @@ LOW_TOKENS = 60
 @pytest.fixture(scope="module")
 def server():
     grpc_port = free_port()
+    # The tiny random-weight model: the scheduling is under test, and the contended streams
+    # then take seconds, not half a minute.
     live = LiveServer.start(
+        str(tiny_model_dir()),
         "--scheduling-policy", "priority",
         "--num-kv-blocks", "8",
         "--block-size", "16",

@@ -135,11 +135,14 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
 
     chat = [{"role": "user", "content": "Say hi."}]
-    short = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+    plain, with_min_tokens, ignoring_eos = (
+        SamplingParams(temperature=0.0, max_tokens=40, **extra)
+        for extra in ({}, {"min_tokens": 30}, {"ignore_eos": True})
+    )  # one batch: each request keeps its own stopping rules
+    short, longer, forced = llm.chat([chat] * 3, [plain, with_min_tokens, ignoring_eos])
+    short = short.outputs[0]
     assert short.finish_reason == "stop" and len(short.token_ids) < 40
-    longer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30))[0]
     assert len(longer.outputs[0].token_ids) >= 30
-    forced = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
     assert len(forced.outputs[0].token_ids) == 40
     assert forced.outputs[0].finish_reason == "length"
 
@@ -150,13 +153,15 @@ def test_logit_bias_and_penalties_change_the_choice(llm):
         PROMPT, SamplingParams(temperature=0.0, max_tokens=3, logit_bias={target: 100})
     )[0]
     assert biased.outputs[0].token_ids == [target] * 3
-    plain = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
-    penalized = llm.generate(
-        PROMPT,
-        SamplingParams(
-            temperature=0.0, max_tokens=40, repetition_penalty=1.5, frequency_penalty=1.0
-        ),
-    )[0].outputs[0]
+    penalties = SamplingParams(
+        temperature=0.0, max_tokens=40, repetition_penalty=1.5, frequency_penalty=1.0
+    )
+    plain, penalized = (  # one batch: the penalties apply to their own request only
+        o.outputs[0]
+        for o in llm.generate(
+            [PROMPT] * 2, [SamplingParams(temperature=0.0, max_tokens=40), penalties]
+        )
+    )
     assert penalized.token_ids != plain.token_ids
     assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
 
@@ -180,10 +185,16 @@ def test_top_p_keeps_the_smallest_set_that_covers_p(llm):
 
 
 def test_presence_penalty_discourages_tokens_already_generated(llm):
-    plain = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
-    penalized = llm.generate(
-        PROMPT, SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=2.0)
-    )[0].outputs[0]
+    plain, penalized = (  # one batch: the penalty applies to its own request only
+        o.outputs[0]
+        for o in llm.generate(
+            [PROMPT] * 2,
+            [
+                SamplingParams(temperature=0.0, max_tokens=40),
+                SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=2.0),
+            ],
+        )
+    )
     assert penalized.token_ids != plain.token_ids
     repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
     assert repeats(penalized.token_ids) < repeats(plain.token_ids)

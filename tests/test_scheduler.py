@@ -4,6 +4,7 @@ of the newest request. Driven through EngineCore with a recording model runner w
 from __future__ import annotations
 
 import pytest
+from cluster_process import tiny_model_dir
 
 from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.sampling_params import SamplingParams
@@ -62,7 +63,14 @@ def test_budget_seqs_decodes_first_and_requests_joining_mid_generation(make_llm)
 
 
 def test_preemption_picks_the_newest_and_requeues_it_first(make_llm):
-    llm = make_llm(num_kv_blocks=6, block_size=16, max_model_len=96, enable_prefix_caching=False)
+    # The tiny random-weight model: the scheduling is under test, not the model.
+    llm = make_llm(
+        model=str(tiny_model_dir()),
+        num_kv_blocks=6,
+        block_size=16,
+        max_model_len=96,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     steps = record_steps(engine)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -1,6 +1,7 @@
 """Schema fuzzing: schemathesis generates requests from /openapi.json, valid and invalid,
 for every operation; none may get a 5xx. A bounded number of cases per operation and mode,
-against a private server with a short context (so no generated request can run long).
+against a private server with a short context (so no generated request can run long),
+on the tiny random-weight model.
 
 A request that generates (no `max_tokens`: up to the 48-token context) can take over a
 minute on a loaded shared CPU; one that only timed out is sent once more with a longer
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import requests
 import schemathesis
+from cluster_process import tiny_model_dir
 from hypothesis import HealthCheck, given, settings
 from live_server import LiveServer
 from schemathesis import GenerationMode
@@ -41,9 +43,12 @@ OPERATIONS = [
 
 @pytest.fixture(scope="module")
 def fuzz_server():
+    # The tiny random-weight model (the bundled tokenizer and chat template): the API is
+    # under test, and the many generating cases then take a fraction of the time.
     server = LiveServer.start(
-        "--max-model-len", "48", "--num-kv-blocks", "64", "--max-num-seqs", "8"
-    )
+        str(tiny_model_dir()), "--max-model-len", "48", "--num-kv-blocks", "64",
+        "--max-num-seqs", "8",
+    )  # fmt: skip
     yield server
     assert server.stop() == 0
     assert "Traceback" not in server.log(), server.log()

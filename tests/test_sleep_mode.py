@@ -27,6 +27,7 @@ API_KEY = "sleep-test-key"
 MODEL = "SmolLM2-135M-Instruct"
 KV_POOL_BYTES = 256 << 20
 PROMPT = "The capital of France is"
+LONG_TOKENS = 300
 
 
 def rss_bytes(pid: int) -> int:
@@ -159,12 +160,13 @@ def test_sleep_level_2_drops_the_weights_and_wake_up_reloads_them(server):
 
 @pytest.mark.timeout(300)
 def test_sleep_waits_for_the_running_request_then_refuses_new_ones(server):
-    # Long enough (1000 tokens) to be seen running by a stats poll however fast the machine.
-    before = greedy(server, max_tokens=1000, ignore_eos=True)
+    # Long enough to be seen running by a 20 ms stats poll however fast the machine: 300
+    # engine steps take a second or more even where a step is only its Python overhead.
+    before = greedy(server, max_tokens=LONG_TOKENS, ignore_eos=True)
     results: dict = {}
 
     def run_long():
-        results["text"] = greedy(server, max_tokens=1000, ignore_eos=True)
+        results["text"] = greedy(server, max_tokens=LONG_TOKENS, ignore_eos=True)
 
     runner = threading.Thread(target=run_long)
     runner.start()
