@@ -28,12 +28,6 @@ static inline __m256 scores8(const float *q, const float *const keys[8], __m256 
     return _mm256_mul_ps(dots, key_scale);
 }
 
-/* Hints the cache to load K or V row `row` (hd floats or int8 codes). */
-static inline void prefetch_row(const void *cache, int64_t row, int hd, int int8) {
-    const char *p = (const char *)cache + row * hd * (int8 ? 1 : (int64_t)sizeof(float));
-    for (int64_t i = 0; i < hd * (int8 ? 1 : (int64_t)sizeof(float)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
-
 /* Query rows of one sequence over KV head `g`: the `group` query heads of each of `n`
  * consecutive tokens at positions p0 .. p0 + n - 1 (a decode token alone, n = 1, or a
  * speculative verify span), row i * group + j at q + i * q_stride + j * hd, over the keys
@@ -81,13 +75,6 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
                 }
                 const int64_t row = (block_table[block] * bs + offset) * kvh + g;
                 if (++offset == bs) offset = 0, block++;
-                if (r0 == 0) { /* the first pass over the chunk: ask for the next group's keys and
-                                * this key's values early (the V loads missed otherwise) */
-                    const int64_t ahead = t + 8;
-                    if (ahead < last)
-                        prefetch_row(kv->k, (block_table[ahead / bs] * bs + ahead % bs) * kvh + g, hd, int8);
-                    prefetch_row(kv->v, row, hd, int8);
-                }
                 if (int8) {
                     for (int i = 0; i < hd; i += 8)
                         _mm256_storeu_ps(key_floats + c * hd + i, load_i8x8((const int8_t *)kv->k + row * hd + i));
