@@ -208,7 +208,9 @@ CELLS: dict[tuple[str, str], Cell] = {
     ("grpc", "router"): refused(
         "unrecognized arguments: --grpc-port",
         REFUSALS + "test_the_router_has_no_grpc_port",
-        note="The router proxies HTTP only; gRPC clients call a worker's `--grpc-port`.",
+        note="The router proxies HTTP only; gRPC clients call a worker's `--grpc-port` "
+        "(`cluster --grpc-port P`: worker i on P + i, "
+        "`tests/test_cluster.py::test_each_worker_serves_grpc_on_its_own_port`).",
     ),
     ("grpc", "cuda"): not_run(NO_GPU),
     ("router", "cuda"): not_run(

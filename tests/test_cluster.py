@@ -38,6 +38,7 @@ NUM_WORKERS = 2
 @pytest.fixture(scope="module")
 def cluster():
     base_port = free_consecutive_ports(NUM_WORKERS)
+    grpc_port = free_consecutive_ports(NUM_WORKERS)
     router_port = free_port()
     cluster = ClusterProcess.start(
         "cluster",
@@ -54,8 +55,11 @@ def cluster():
         "5",
         str(tiny_model_dir()),
         *WORKER_ARGS,
+        "--grpc-port",
+        str(grpc_port),
         api_key=API_KEY,
     )
+    cluster.grpc_ports = [grpc_port + i for i in range(NUM_WORKERS)]
     cluster.worker_urls = [f"http://127.0.0.1:{base_port + i}" for i in range(NUM_WORKERS)]
     cluster.worker_ports = [base_port + i for i in range(NUM_WORKERS)]
     yield cluster
@@ -98,6 +102,19 @@ def test_each_local_worker_computes_on_its_own_cpus(cluster) -> None:
     assert shares[0] | shares[1] == os.sched_getaffinity(0)
     for pid, share in zip(pids, shares, strict=True):
         assert _environment(pid)["OMP_NUM_THREADS"] == str(len(share))
+
+
+def test_each_worker_serves_grpc_on_its_own_port(cluster) -> None:
+    """`--grpc-port P` given to the cluster: worker i serves gRPC on P + i (one port cannot
+    serve two workers of one host; before, the second worker could not bind it)."""
+    from nanollmserve.api.grpc_client import connect
+
+    async def health(port: int):
+        async with await connect(f"127.0.0.1:{port}", api_key=None) as client:
+            return await client.health()
+
+    for port in cluster.grpc_ports:
+        assert asyncio.run(health(port)).healthy, port
 
 
 def test_requests_spread_over_both_workers_and_keys_are_checked(cluster) -> None:

@@ -9,8 +9,9 @@ of `--worker-host`, one GPU each where there are several, restarted with backoff
 die; with `--ray-address` they are Ray actors placed by Ray (`local`: a private Ray on this
 machine) and restarted by Ray. The router listens on `--host`:`--router-port` with the
 `router` command's flags. Every flag this command does not know is a `serve` flag, passed to
-each worker (checked before anything starts). Busy ports fail at once with one line.
-SIGINT / SIGTERM stop the router and every worker.
+each worker (checked before anything starts), except `--grpc-port P`: worker i serves gRPC
+on P + i. Busy ports fail at once with one line. SIGINT / SIGTERM stop the router and every
+worker.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import contextlib
 import os
 import socket
 
+from nanollmserve.cli.env_defaults import env_name
 from nanollmserve.cli.router import add_router_args, router_settings, setup_logging
 from nanollmserve.errors import UserError
 
 MANAGED_SERVE_FLAGS = ("--host", "--port", "--api-key")
+GRPC_PORT_ENV = env_name("--grpc-port")
 DEFAULT_WORKERS = 2
 
 
@@ -137,6 +140,35 @@ def check_serve_args(serve_args: list[str], role_args: list[str] | None = None) 
         raise UserError(namespace.env_errors[0])
 
 
+def spread_grpc_ports(
+    serve_args: list[str], worker_args: list[list[str]] | None, num_workers: int
+) -> tuple[list[str], list[list[str]] | None]:
+    """`--grpc-port P` given to the cluster (or NANOLLMSERVE_GRPC_PORT, which every worker
+    would inherit): worker i serves gRPC on P + i, since the workers of one host cannot share
+    a port -> (the common serve flags without it, each worker's own flags with its port)."""
+    from nanollmserve.cluster.pd_roles import serve_flag_value
+
+    value = serve_flag_value(serve_args, "--grpc-port") or os.environ.get(GRPC_PORT_ENV)
+    if value is None:
+        return serve_args, worker_args
+    first = int(value)  # check_serve_args has parsed it
+    if not 0 < first <= 65536 - num_workers:
+        raise UserError(
+            f"--grpc-port {first}: worker i serves gRPC on {first} + i, so it must be in "
+            f"[1, {65536 - num_workers}] for {num_workers} workers"
+        )
+    common, skip = [], False
+    for i, arg in enumerate(serve_args):
+        if skip:
+            skip = False
+        elif arg == "--grpc-port" and i + 1 < len(serve_args):
+            skip = True
+        elif not arg.startswith("--grpc-port="):
+            common.append(arg)
+    own = worker_args or [[] for _ in range(num_workers)]
+    return common, [[*own[i], "--grpc-port", str(first + i)] for i in range(num_workers)]
+
+
 def check_port_free(host: str, port: int, what: str) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -164,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     store = roles.shared_store() if roles is not None else contextlib.nullcontext()
     with store as worker_args:
         check_serve_args(serve_args, worker_args[0] if worker_args else None)
+        serve_args, worker_args = spread_grpc_ports(serve_args, worker_args, args.workers)
         serve_args += ["--log-level", args.log_level]
         serve_args += ["--shutdown-timeout", str(args.shutdown_timeout)]
         if args.metrics_require_auth:  # a router flag that the workers have too
@@ -194,6 +227,12 @@ def _local_workers(args, serve_args, worker_key, ports, worker_args):
     host = args.worker_host or "127.0.0.1"
     for i, port in enumerate(ports):
         check_port_free(host, port, f"worker {i}")
+    from nanollmserve.cluster.pd_roles import serve_flag_value
+
+    for i, own in enumerate(worker_args or []):
+        grpc_port = serve_flag_value(own, "--grpc-port")
+        if grpc_port is not None:
+            check_port_free(host, int(grpc_port), f"worker {i}'s --grpc-port")
     gpus = visible_gpus()
     per_worker = _tensor_parallel_size(serve_args)
     devices = [devices_of_worker(i, gpus, per_worker) for i in range(len(ports))]
