@@ -39,18 +39,23 @@ def _run_to_end(engine) -> tuple[list[str], dict[str, list[int]]]:
     return order, tokens
 
 
-@pytest.mark.timeout(300)
-def test_high_priority_preempts_a_full_pool_starts_next_step_and_finishes_first(make_llm):
-    # The tiny random-weight model: the scheduling is under test, and ~370 steps of it take
-    # seconds instead of tens of seconds.
-    llm = make_llm(
+def eight_block_llm(make_llm, **engine_args):
+    """A pool of 8 blocks of 16 tokens, prefix caching off, on the tiny random-weight model:
+    the scheduling is under test, and ~370 steps of it take seconds instead of tens of
+    seconds."""
+    return make_llm(
         model=str(tiny_model_dir()),
         num_kv_blocks=8,
         block_size=16,
         max_model_len=128,
         enable_prefix_caching=False,
-        scheduling_policy="priority",
+        **engine_args,
     )
+
+
+@pytest.mark.timeout(300)
+def test_high_priority_preempts_a_full_pool_starts_next_step_and_finishes_first(make_llm):
+    llm = eight_block_llm(make_llm, scheduling_policy="priority")
     engine = llm.engine
     steps = _scheduled_ids(engine)
     low = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True, priority=10)
@@ -85,13 +90,7 @@ def test_high_priority_preempts_a_full_pool_starts_next_step_and_finishes_first(
 @pytest.mark.timeout(300)
 def test_fcfs_leaves_the_late_request_waiting_for_the_full_pool(make_llm):
     """The same scenario under fcfs: the late request waits (no preemption for it)."""
-    llm = make_llm(
-        model=str(tiny_model_dir()),
-        num_kv_blocks=8,
-        block_size=16,
-        max_model_len=128,
-        enable_prefix_caching=False,
-    )
+    llm = eight_block_llm(make_llm)
     engine = llm.engine
     steps = _scheduled_ids(engine)
     low = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
