@@ -1,8 +1,11 @@
 /* Attention over the paged KV cache on the CPU (K/V laid out [blocks, block_size, kv_heads,
  * head_dim], float32 or int8 codes with a float scale per token and KV head: `nls_kv_cache` in
- * native.h), read in place through block tables: one query KV head's group of query heads at a
- * time (`nls_attend_group`, also used by the decode step in gguf_cpu.c) and the decode tokens
- * of a batched step (`nls_paged_decode_attention`, `nls_paged_decode_attention_int8`). An int8
+ * native.h), read in place through block tables: query rows over a chunk of keys, their partial
+ * softmaxes merged after (`nls_attend_chunk`, `nls_merge_chunks`: the decode step's decode
+ * tokens and verify spans in gguf_cpu.c), a run of a sequence's tokens as tiles
+ * (`nls_attend_span`), and the decode tokens of the PyTorch path's batched step, a KV head's
+ * query heads at a time (`nls_attend_group` inside `nls_paged_decode_attention`,
+ * `nls_paged_decode_attention_int8`). An int8
  * row is dequantized in registers (8 codes widened to floats, times the row's scale), never
  * copied out as floats. */
 
@@ -321,8 +324,8 @@ void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, i
 
 /* ------------------------------------------------ public: attention of decode tokens -- */
 
-/* One thread's attention scores: a KV head's group of query heads over up to `max_context`
- * keys, rounded to whole cache lines so no two threads write the same line. */
+/* One thread's scratch for `nls_attend_group` over up to `max_context` keys (a chunk's scores,
+ * every chunk's partials), rounded to whole cache lines so no two threads write the same line. */
 static inline int64_t scores_bytes(int32_t num_heads, int32_t num_kv_heads, int64_t max_context) {
     return (attend_scratch_floats(max_context, num_heads / num_kv_heads) * (int64_t)sizeof(float) + 63) / 64 * 64;
 }

@@ -115,10 +115,10 @@ typedef struct {
 
 /* Attention of decode tokens and short spans (attention_cpu.c) splits each query row's keys
  * into chunks of attend_chunk_keys(ctx) keys at fixed positions (64, or more so that there are
- * at most ATTEND_MAX_CHUNKS): each (KV head, chunk) is a work item of its own, so even one
- * sequence's three KV heads keep two threads busy, and the chunks' partial softmaxes merge
- * exactly as the row would alone. The chunks depend only on the row's own context length, never
- * on the batch: a request's numbers do not change with what runs beside it. */
+ * at most ATTEND_MAX_CHUNKS): in the decode step each chunk, for every KV head, is a work item
+ * of its own, so even one sequence keeps two threads busy, and the chunks' partial softmaxes
+ * merge after. The chunks depend only on the row's own context length, never on the batch: a
+ * request's numbers do not change with what runs beside it. */
 #define ATTEND_ROWS 6 /* query rows that share one read of a key and value row */
 #define ATTEND_CHUNK_KEYS 64
 #define ATTEND_MAX_CHUNKS 16
