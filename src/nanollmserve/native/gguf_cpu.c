@@ -617,6 +617,26 @@ static int64_t attend_units(const nls_model *m, const int64_t *positions, const 
     return count;
 }
 
+/* The K and V rows of keys [k0, k1) of one sequence (every KV head: a token's rows are
+ * contiguous), asked of memory before a work item reads them. A batch's K/V do not fit in the
+ * caches (64 sequences of ~190 keys: 566 MB a step) and the attention loops alone pulled
+ * them at a third of the memory's bandwidth: with this, that run's attention took 5.6 s
+ * instead of 8.4 (stop 34). */
+static void prefetch_keys(const nls_model *m, const nls_layer *L, const int64_t *table, int64_t k0, int64_t k1) {
+    const int64_t row_bytes = (int64_t)m->num_kv_heads * m->head_dim * (m->kv_dtype == NLS_KV_INT8 ? 1 : (int64_t)sizeof(float));
+    for (int64_t t0 = k0; t0 < k1;) {
+        const int64_t in_block = m->block_size - t0 % m->block_size;
+        const int64_t n = k1 - t0 < in_block ? k1 - t0 : in_block;
+        const int64_t first = table[t0 / m->block_size] * m->block_size + t0 % m->block_size;
+        const char *kb = (const char *)L->k_cache + first * row_bytes, *vb = (const char *)L->v_cache + first * row_bytes;
+        for (int64_t off = 0; off < n * row_bytes; off += 64) {
+            _mm_prefetch(kb + off, _MM_HINT_T0);
+            _mm_prefetch(vb + off, _MM_HINT_T1);
+        }
+        t0 += n;
+    }
+}
+
 static int64_t thread_scratch_bytes(const nls_model *m, int64_t num_tokens) {
     const int64_t floats = 32 * num_tokens + thread_scores_floats(m) + 8 * (int64_t)m->head_dim;
     return round_up_64(floats * (int64_t)sizeof(float));
@@ -801,6 +821,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                 const int64_t rows = (int64_t)u->tokens * group;
                 const int64_t keys = attend_chunk_keys(positions[t] + 1), ctx = positions[t] + u->tokens;
                 const int64_t k1 = (k + 1) * keys < ctx ? (k + 1) * keys : ctx;
+                prefetch_keys(m, L, table, k * keys, k1);
                 for (int g = 0; g < kvh; g++)
                     nls_attend_chunk(qkv + t * qkv_size + (int64_t)g * group * hd, qkv_size, &kv, kvh, g, group, hd,
                                      m->block_size, m->attn_scale, table, positions[t], u->tokens, k * keys, k1, scores,

@@ -20,9 +20,10 @@ static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define NLS_HAS_AMX 1
 #define AMX_MIN_ROWS 8 /* fewer rows run the vector kernel (measured crossover) */
-/* In nls_decode_step, whose vector products run row groups from registers, AMX pays from 64
- * rows (matmul ms at 8/16/32/64 rows: vector 9.4/14.5/25.6/51.2, AMX 15.3/17.3/27.5/48.5). */
-#define AMX_STEP_MIN_ROWS 64
+/* In nls_decode_step, whose vector products run row groups from registers, AMX pays from 32
+ * rows (a step's products, ms at 16/32 rows: vector 13.7-14.5/23.7-24.2, AMX 14.3-14.9/
+ * 22.2-22.4; scripts/profile_breakdown.py, stop 34). */
+#define AMX_STEP_MIN_ROWS 32
 int nls_amx_init(void);
 int64_t nls_amx_workspace_bytes(int64_t in, int64_t rows, int num_threads);
 void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
