@@ -16,19 +16,87 @@
 #include "native.h"
 
 /* The scaled dot products of query row `q` with 8 keys (`keys[c]`: hd floats each, their
- * scales in `key_scale`) as one vector: 8 accumulators, reduced together at the end. */
+ * scales in `key_scale`) as one vector: 8 accumulators, reduced together at the end (with
+ * AVX-512 and hd a multiple of 16, 16 dimensions an instruction, each accumulator's halves
+ * added before the reduction). */
 static inline __m256 scores8(const float *q, const float *const keys[8], __m256 key_scale, int hd) {
     __m256 a[8];
-    for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
-    for (int i = 0; i < hd; i += 8) {
-        const __m256 qi = _mm256_loadu_ps(q + i);
-        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[c] + i), a[c]);
+#if defined(__AVX512F__)
+    if (hd % 16 == 0) {
+        __m512 w[8];
+        for (int c = 0; c < 8; c++) w[c] = _mm512_setzero_ps();
+        for (int i = 0; i < hd; i += 16) {
+            const __m512 qi = _mm512_loadu_ps(q + i);
+            for (int c = 0; c < 8; c++) w[c] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[c] + i), w[c]);
+        }
+        for (int c = 0; c < 8; c++)
+            a[c] = _mm256_add_ps(_mm512_castps512_ps256(w[c]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[c]), 1)));
+    } else
+#endif
+    {
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (int i = 0; i < hd; i += 8) {
+            const __m256 qi = _mm256_loadu_ps(q + i);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys[c] + i), a[c]);
+        }
     }
     const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
     const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
     const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
     return _mm256_mul_ps(dots, key_scale);
+}
+
+#if defined(__AVX512F__)
+/* The weighted values of a chunk with AVX-512, for head sizes that are a multiple of 64: each
+ * value row read once (64 dimensions at a time) for all `nr` rows, whose accumulators stay in
+ * registers; -> part rows r0.. as the vector loop below writes them. */
+static inline __attribute__((always_inline)) void weighted_values_512(const nls_kv_cache *kv, int kvh, int g, int hd,
+                                                                      int bs, const int64_t *block_table, int64_t k0,
+                                                                      int64_t last, const float *scores, int64_t width,
+                                                                      int nr, float *part, const int int8) {
+    for (int d0 = 0; d0 < hd; d0 += 64) {
+        __m512 acc[ATTEND_ROWS][4];
+        for (int x = 0; x < ATTEND_ROWS; x++)
+            for (int j = 0; j < 4; j++) acc[x][j] = _mm512_setzero_ps();
+        int64_t block = k0 / bs, offset = k0 % bs;
+        for (int64_t t = k0; t < last; t++) {
+            const int64_t row = (block_table[block] * bs + offset) * kvh + g;
+            if (++offset == bs) offset = 0, block++;
+            __m512 v[4];
+            if (int8) {
+                const int8_t *src = (const int8_t *)kv->v + row * hd + d0;
+                const __m512 vs = _mm512_set1_ps(kv->v_scale[row]);
+                for (int j = 0; j < 4; j++)
+                    v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * j)))), vs);
+            } else {
+                const float *src = (const float *)kv->v + row * hd + d0;
+                for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(src + 16 * j);
+            }
+            for (int x = 0; x < ATTEND_ROWS; x++) {
+                if (x >= nr) break;
+                const __m512 w = _mm512_set1_ps(scores[x * width + (t - k0)]);
+                for (int j = 0; j < 4; j++) acc[x][j] = _mm512_fmadd_ps(w, v[j], acc[x][j]);
+            }
+        }
+        for (int x = 0; x < nr; x++)
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(part + (int64_t)x * (hd + 2) + 2 + d0 + 16 * j, acc[x][j]);
+    }
+}
+#endif
+
+/* The largest of n scores, 8 lanes at a time (a serial scalar max waits on each compare: it
+ * was a fifth of a verify step's attention). NaNs are skipped like the scalar compare skips
+ * them: `max_ps` returns its second operand, the running maximum, when either is NaN. */
+static inline float largest_of(const float *row, int64_t n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(row + t), m8);
+    float lanes[8], largest = -INFINITY;
+    _mm256_storeu_ps(lanes, m8);
+    for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
+    for (; t < n; t++) largest = row[t] > largest ? row[t] : largest;
+    return largest;
 }
 
 /* Query rows of one sequence over KV head `g`: the `group` query heads of each of `n`
@@ -95,7 +163,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
             float *row = scores + x * width;
             const int64_t count = end[x] - k0, seen = last - k0;
             largest[x] = -INFINITY, sum[x] = 0.0f;
-            for (int64_t t = 0; t < count; t++) largest[x] = row[t] > largest[x] ? row[t] : largest[x];
+            largest[x] = largest_of(row, count);
             __m256 sum8 = _mm256_setzero_ps();
             const __m256 mx = _mm256_set1_ps(largest[x]);
             int64_t t = 0;
@@ -111,6 +179,11 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
             }
             for (t = count > 0 ? count : 0; t < seen; t++) row[t] = 0.0f; /* keys past the row's own */
         }
+#if defined(__AVX512F__)
+        if (hd % 64 == 0)
+            weighted_values_512(kv, kvh, g, hd, bs, block_table, k0, last, scores, width, nr, part + (int64_t)r0 * (hd + 2), int8);
+        else
+#endif
         for (int d0 = 0; d0 < hd; d0 += 16) {
             const int pair = hd - d0 >= 16;
             __m256 acc[ATTEND_ROWS][2];
@@ -255,8 +328,7 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
     for (int r = 0; r < rows; r++) {
         float *row = scores + (int64_t)r * width;
         const int64_t own = p0 + r / group + 1;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < own; t++) mx = row[t] > mx ? row[t] : mx;
+        const float mx = largest_of(row, own);
         const __m256 mx8 = _mm256_set1_ps(mx);
         __m256 sum8 = _mm256_setzero_ps();
         int64_t t = 0;
