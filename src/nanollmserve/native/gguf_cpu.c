@@ -66,6 +66,19 @@ static void quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, floa
 
 /* ------------------------------------------------------------------ tiled block kernel -- */
 
+/* How far ahead (in tile-blocks) the one-row kernel and the accumulator kernel ask for their
+ * weights: a step of one or a few rows streams every weight once and waits on memory, not on
+ * arithmetic (stop 34, scripts/profile_breakdown.py: a single-stream step's products 4.2 ->
+ * 3.4 ms on the amx build, 6.6 -> 4.7 ms on avx2; an 8-row avx2 step's 16.1-16.4 -> 14.9-15.4;
+ * 32 rows unchanged; the few-row kernel of a verify step gained nothing; 2 blocks ahead
+ * measured best of 2, 4, 8). A tile's last blocks prefetch the next tile's first, which this
+ * thread runs next (static schedule). */
+#define WEIGHT_PREFETCH_BLOCKS 2
+static inline void prefetch_block(const uint8_t *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
+
 /* Weights are tiled by model/gguf_blocks.py: 16 outputs at a time, and for each tile its
  * blocks of 32 inputs in order, each tile-block laid out so that one 32-byte load widens into
  * the 16 outputs' weights for two inputs (the pairs a 16-bit multiply-add sums):
@@ -210,6 +223,7 @@ static void tile_times_row(int kind, const uint8_t *tile, int64_t nb, const int1
     __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes;
+        prefetch_block(tb + WEIGHT_PREFETCH_BLOCKS * tb_bytes, tb_bytes);
         const int32_t *x = (const int32_t *)(xq + b * QK);
         __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
         if (kind == KIND_Q4) {
@@ -242,6 +256,7 @@ static void tile_times_row(int kind, const uint8_t *tile, int64_t nb, const int1
     __m256 macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes;
+        prefetch_block(tb + WEIGHT_PREFETCH_BLOCKS * tb_bytes, tb_bytes);
         const int32_t *x = (const int32_t *)(xq + b * QK);
         const uint16_t *d = (const uint16_t *)(tb + code_bytes);
         for (int h = 0; h < 2; h++) {
@@ -290,8 +305,10 @@ static void tile_times_rows(int kind, const uint8_t *w, int64_t t, int64_t nb, i
         return;
     }
     memset(acc, 0, sizeof(float) * 32 * (size_t)rows);
-    for (int64_t b = 0; b < nb; b++)
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_block(tile + (b + WEIGHT_PREFETCH_BLOCKS) * tb_bytes, tb_bytes);
         tile_block_rows(kind, tile + b * tb_bytes, b, nb, in, xq, dx, sx, rows, acc);
+    }
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < valid; j++)
             y[r * ldy + t * TILE + j] = acc[32 * r + j] + acc[32 * r + 16 + j] + (bias ? bias[t * TILE + j] : 0.0f);
