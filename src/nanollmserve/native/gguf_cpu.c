@@ -98,11 +98,13 @@ static inline void prefetch_block(const uint8_t *p, int64_t bytes) {
 /* A tile-block's codes widened to 16-bit: w[p] holds the 16 outputs' codes for inputs 2p, 2p+1. */
 static inline __attribute__((always_inline)) void widen_tile_block(int kind, const uint8_t *tb, __m512i w[16]) {
     if (kind == KIND_Q4) {
-        const __m256i low = _mm256_set1_epi8(0x0F);
+        /* widen the bytes once, then split the nibbles in 16-bit lanes: one cross-lane
+         * widening per 32 bytes instead of two */
+        const __m512i low = _mm512_set1_epi16(0x0F);
         for (int g = 0; g < 8; g++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
-            w[g] = _mm512_cvtepu8_epi16(_mm256_and_si256(c, low));
-            w[g + 8] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low));
+            const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * g)));
+            w[g] = _mm512_and_si512(c, low);
+            w[g + 8] = _mm512_srli_epi16(c, 4);
         }
     } else {
         for (int p = 0; p < 16; p++)
