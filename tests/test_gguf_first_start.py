@@ -68,11 +68,14 @@ def test_bundled_first_start_writes_no_dense_weights_and_answers_as_before(
     names = {p.name for p in entry.iterdir()}
     assert "model.safetensors" not in names
     assert not any(name.startswith("nanollmserve-fused-") for name in names)
-    assert {"gguf-blocks-v1.safetensors", "gguf-unblocked-v1.safetensors"} <= names
-    # No float32 copy of a linear weight: the float32 tensors are the embedding table and norms.
+    assert {"gguf-blocks-v1.safetensors", "gguf-unblocked-v2.safetensors"} <= names
+    # No float32 copy of a linear weight, nor of the tied Q8_0 embedding table (looked up in
+    # the output projection's blocks): the float32 tensors are the norms.
     written = float32_tensors(entry)
     assert written and not any("_proj" in name for name in written)
     assert not set(written.values()) & linear_shapes
+    assert not any("embed_tokens" in name for name in written)
+    assert all(len(shape) == 1 for shape in written.values())
     assert json.loads((entry / "nanollmserve_gguf.json").read_text())["version"] == 2
 
     # The path that existed before (dense weights, then the blocks) gives the same tokens.

@@ -26,7 +26,7 @@ from torch import nn
 
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.quantization import WeightOnlyLinear
-from nanollmserve.model.gguf_blocks import KIND_Q8, BlockRows
+from nanollmserve.model.gguf_blocks import BlockRows, embedding_in_output_blocks
 
 
 class GGUFLinear(WeightOnlyLinear):
@@ -90,6 +90,7 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows]) -> int:
     if "lm_head.weight" in blocks and (lm_head is None or isinstance(lm_head, nn.Linear)):
         vocab, hidden = model.model.embed_tokens.weight.shape
         model.lm_head = GGUFLinear(blocks["lm_head.weight"], None, vocab, hidden)
-        if lm_head is None and model.lm_head.kind == KIND_Q8:  # tied: the table's own blocks
+        # tied: the table's own blocks
+        if embedding_in_output_blocks(lm_head is None, model.lm_head.kind):
             model.model.embed_tokens = GGUFEmbedding(model.lm_head.tiles, vocab, hidden)
     return replaced

@@ -60,6 +60,13 @@ _LAYER_TENSORS = {
 _ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
+def embedding_in_output_blocks(tied: bool, output_kind: int | None) -> bool:
+    """Whether the input embedding is looked up in the output projection's blocks
+    (`GGUFEmbedding`): a tied table stored as Q8_0, whose rows dequantize to the floats the
+    float32 table held. Then no float32 table is kept, written to the cache or read."""
+    return tied and output_kind == KIND_Q8
+
+
 @dataclass
 class BlockRows:
     """One weight `[out, in]` as rows of quantized blocks, laid out for the native kernels."""
@@ -159,6 +166,15 @@ def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRow
             gguf, [output], [None], BLOCK_KINDS[_block_type(output)]
         )
     return weights
+
+
+def output_block_kind(gguf: GGUFFile, config: ModelConfig) -> int | None:
+    """The block kind `read_gguf_blocks` gives the output projection, or None when it has no
+    blocks: the file's `output.weight`, or for tied embeddings the table."""
+    output = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
+    tied_or_own = "output.weight" in gguf.tensors or config.tie_word_embeddings
+    block_type = _block_type(output) if output is not None and tied_or_own else None
+    return BLOCK_KINDS[block_type] if block_type else None
 
 
 def _block_type(tensor: GGUFTensor) -> str | None:

@@ -7,7 +7,8 @@ beside them:
 
 - the GGUF block layers (`--quantization gguf`, the default for a GGUF file on the CPU): the
   linear weights' blocks (`gguf-blocks-v*.safetensors`) and the other tensors in float32
-  (`gguf-unblocked-v*.safetensors`: embedding table, norms, biases), a few seconds;
+  (`gguf-unblocked-v*.safetensors`: norms, biases, and the embedding table unless a tied
+  Q8_0 table is looked up in its blocks), a few seconds;
 - anything that runs dense weights: `model.safetensors`, every tensor dequantized to float32
   by transformers (~20 s for the bundled 135 M model), converted the first time such a load
   asks (`cached_dense_weights`, called by the loader).
@@ -61,8 +62,9 @@ CONVERSION_VERSION = 2
 (2: an entry starts with the model files only; the weights are written as loads need them.)"""
 GGUF_BLOCKS_VERSION = 1
 """Bump when the block row layout changes (the file name carries it)."""
-UNBLOCKED_VERSION = 1
-"""Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it)."""
+UNBLOCKED_VERSION = 2
+"""Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it).
+(2: no float32 embedding table when a tied Q8_0 table is looked up in its blocks.)"""
 INFO_FILE = "nanollmserve_gguf.json"
 DENSE_WEIGHTS_FILE = "model.safetensors"
 TMP_PREFIX = ".tmp-"

@@ -9,8 +9,9 @@ Three conversions, each written once by `gguf_cache.py`:
   0.6 s for the bundled model, most of it importing transformers' tokenizer modules.
   (`AutoConfig`/`AutoTokenizer` with `gguf_file=` would each parse the file with the gguf
   package's reader first, 1.7 to 5 s apiece.)
-- `unblocked_tensors`: the tensors the GGUF block layers do not hold (embedding table, norms,
-  attention biases, an output projection stored in another type), dequantized to float32
+- `unblocked_tensors`: the tensors the GGUF block layers do not hold (embedding table unless
+  it is looked up in the output projection's Q8_0 blocks, norms, attention biases, an output
+  projection stored in another type), dequantized to float32
   (`GGUFFile.dequantize`), under our parameter names. With the blocks they are the whole model
   (`loader.load_gguf_block_model`).
 - `write_dense_weights`: every tensor dequantized by transformers (`gguf_file=`) into
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from nanollmserve.errors import UserError
+from nanollmserve.model.gguf_blocks import embedding_in_output_blocks, output_block_kind
 from nanollmserve.model.gguf_file import GGUFFile, read_gguf_file
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.registry import MODEL_TYPE_TO_ARCHITECTURE
@@ -113,8 +115,9 @@ def _tokenizer(gguf_path: Path, model_type: str):
 
 def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameter name -> float32 tensor, for every tensor of the file that is not a linear
-    weight of a decoder layer (those run as blocks): embedding table, norms, attention biases
-    and the output projection of an untied model. Tensors this mapping does not know are left
+    weight of a decoder layer (those run as blocks): embedding table (unless a tied Q8_0 table
+    is looked up in its blocks), norms, attention biases and the output projection of an
+    untied model. Tensors this mapping does not know are left
     out: the loader then finds a parameter missing and loads the dense weights instead."""
     gguf = read_gguf_file(gguf_path)
     permuted = gguf.architecture in _ROTARY_PERMUTED_ARCHITECTURES
@@ -123,7 +126,8 @@ def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.T
     def add(name: str, gguf_name: str) -> None:
         out[name] = torch.from_numpy(gguf.dequantize(gguf_name))
 
-    add("model.embed_tokens.weight", "token_embd.weight")
+    if not embedding_in_output_blocks(config.tie_word_embeddings, output_block_kind(gguf, config)):
+        add("model.embed_tokens.weight", "token_embd.weight")
     add("model.norm.weight", "output_norm.weight")
     if "output.weight" in gguf.tensors and not config.tie_word_embeddings:
         add("lm_head.weight", "output.weight")
