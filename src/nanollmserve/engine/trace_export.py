@@ -6,7 +6,8 @@ lengths), plus counters for the queues and the KV blocks in use. Process 2, "req
 has one track per request: a `queued` slice from its arrival to its first step, then a
 slice per step it ran in (`prefill N` or `decode`, over the model phase of that step), and
 instant markers where it found blocks in the prefix cache, was preempted, finished or was
-aborted. No track has thread id 0: Perfetto merges that one into the process's main thread.
+aborted. No track's thread id is 0 or its process id: Perfetto takes either for the process's
+main thread (merging the track into it, or labelling it "main thread").
 
 Input: the step objects of a record (`nanollmserve/replay.py` reads them), in the schema of
 docs/features/flight-recorder.md.
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 PHASES = ("propose", "schedule", "model", "update")
-STEP_TID = 1  # the phases follow it: 2, 3, ...
+STEP_TID = 10  # the phases follow it: 11, 12, ...
+FIRST_REQUEST_TID = 100  # request tracks: 100, 101, ...
 
 
 def chrome_trace(steps: list[dict]) -> dict:
@@ -36,7 +38,7 @@ def chrome_trace(steps: list[dict]) -> dict:
 
     def request_tid(request_id: str) -> int:
         if request_id not in request_tids:
-            request_tids[request_id] = len(request_tids) + 1
+            request_tids[request_id] = FIRST_REQUEST_TID + len(request_tids)
             events.append(_meta("thread_name", REQUESTS_PID, request_tids[request_id], request_id))
         return request_tids[request_id]
 
