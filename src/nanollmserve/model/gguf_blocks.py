@@ -157,24 +157,27 @@ def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRow
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
         row_heads = [heads.get(t.name.split(".")[2]) if permuted else None for t in ordered]
         weights[name] = _fused_block_rows(gguf, ordered, row_heads, kinds.pop())
-    # A file without `output.weight` ties the output projection to the embedding table.
-    output_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-    output = gguf.tensors.get(output_name)
-    tied_or_own = output_name == "output.weight" or config.tie_word_embeddings
-    if output is not None and tied_or_own and _block_type(output) is not None:
-        weights["lm_head.weight"] = _fused_block_rows(
-            gguf, [output], [None], BLOCK_KINDS[_block_type(output)]
-        )
+    output, kind = _output_blocks(gguf, config)
+    if output is not None:
+        weights["lm_head.weight"] = _fused_block_rows(gguf, [output], [None], kind)
     return weights
 
 
 def output_block_kind(gguf: GGUFFile, config: ModelConfig) -> int | None:
     """The block kind `read_gguf_blocks` gives the output projection, or None when it has no
-    blocks: the file's `output.weight`, or for tied embeddings the table."""
-    output = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
-    tied_or_own = "output.weight" in gguf.tensors or config.tie_word_embeddings
-    block_type = _block_type(output) if output is not None and tied_or_own else None
-    return BLOCK_KINDS[block_type] if block_type else None
+    blocks."""
+    return _output_blocks(gguf, config)[1]
+
+
+def _output_blocks(gguf: GGUFFile, config: ModelConfig) -> tuple[GGUFTensor | None, int | None]:
+    """The tensor the output projection runs as blocks and their kind, or (None, None): the
+    file's `output.weight`, or without one, for tied embeddings, the embedding table."""
+    name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    output = gguf.tensors.get(name)
+    tied_or_own = name == "output.weight" or config.tie_word_embeddings
+    if output is None or not tied_or_own or _block_type(output) is None:
+        return None, None
+    return output, BLOCK_KINDS[_block_type(output)]
 
 
 def _block_type(tensor: GGUFTensor) -> str | None:

@@ -111,10 +111,10 @@ static inline void block_sums(const int8_t *a_hi, const uint8_t *a_lo, int64_t i
  * tiles are built -> y for the group's rows: each row's 16 sums accumulated across the blocks
  * in the vector kernel's order (acc = fma(d_w d_x, sum, acc) block by block; the m terms,
  * fma(m_w, s_x, macc) block by block, summed apart and added), so the numbers are the vector
- * kernel's. `scales`, `block_sums_of_rows`: d_x and s_x by row group, block and row. */
+ * kernel's. `scales`, `row_sums`: d_x and s_x by row group, block and row. */
 static void row_group(int kind, const uint8_t *tile, const int8_t *btiles, int64_t nb, int64_t in,
                       const int8_t *a_hi, const uint8_t *a_lo, int64_t r0, int64_t group, int32_t *sums,
-                      const float *scales, const float *block_sums_of_rows, float *totals,
+                      const float *scales, const float *row_sums, float *totals,
                       const float *bias, float *y, int64_t out, int64_t t, int valid) {
     const int64_t tb_bytes = tile_block_bytes(kind);
     const int code_bytes = kind == KIND_Q4 ? 256 : 512;
@@ -140,7 +140,7 @@ static void row_group(int kind, const uint8_t *tile, const int8_t *btiles, int64
         for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + b * tb_bytes + code_bytes + 32)));
-            const float *sb = block_sums_of_rows + (r0 / AMX_ROWS * nb + b) * AMX_ROWS;
+            const float *sb = row_sums + (r0 / AMX_ROWS * nb + b) * AMX_ROWS;
             for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[i]), acc[i]);
         }
         for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_add_ps(_mm512_loadu_ps(totals + 16 * i), acc[i]);

@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void weighted_values_512(const nls_
 #endif
 
 /* The largest of n scores, 8 lanes at a time (a serial scalar max waits on each compare: it
- * was a fifth of a verify step's attention). NaNs are skipped like the scalar compare skips
+ * was a fifth of this file's samples in a speculative run). NaNs are skipped like the scalar compare skips
  * them: `max_ps` returns its second operand, the running maximum, when either is NaN. */
 static inline float largest_of(const float *row, int64_t n) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -106,8 +106,8 @@ static inline float largest_of(const float *row, int64_t n) {
  * row: the largest score (-inf for a row that sees none of these keys), the sum of
  * exp(score - largest) and the values weighted by those exponentials, not yet divided by the
  * sum (`nls_merge_chunks` joins a row's chunks). Up to ATTEND_ROWS rows at a time: the scores
- * 8 keys per row at a time, the weighted values 16 dimensions of every row at a time from
- * registers, each value row read once for all of them. An int8 row's scale multiplies its dot
+ * 8 keys per row at a time, the weighted values 16 dimensions of every row at a time (64 with
+ * AVX-512) from registers, each value row read once for all of them. An int8 row's scale multiplies its dot
  * product (keys) or its values. A row's arithmetic does not depend on which rows share its
  * pass (a key past a row's own gets weight 0), so a verify row gets the numbers its token
  * would get alone. `scores`: ATTEND_ROWS * (k1 - k0 rounded up to 8) floats. `int8` is a
@@ -162,7 +162,6 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
         for (int x = 0; x < nr; x++) {
             float *row = scores + x * width;
             const int64_t count = end[x] - k0, seen = last - k0;
-            largest[x] = -INFINITY, sum[x] = 0.0f;
             largest[x] = largest_of(row, count);
             __m256 sum8 = _mm256_setzero_ps();
             const __m256 mx = _mm256_set1_ps(largest[x]);

@@ -78,7 +78,6 @@ static inline void prefetch_block(const uint8_t *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
 }
 
-
 /* Weights are tiled by model/gguf_blocks.py: 16 outputs at a time, and for each tile its
  * blocks of 32 inputs in order, each tile-block laid out so that one 32-byte load widens into
  * the 16 outputs' weights for two inputs (the pairs a 16-bit multiply-add sums):
@@ -640,7 +639,7 @@ static int64_t attend_units(const nls_model *m, const int64_t *positions, const 
  * contiguous), asked of memory before a work item reads them. A batch's K/V do not fit in the
  * caches (64 sequences of ~190 keys: 566 MB a step) and the attention loops alone pulled
  * them at a third of the memory's bandwidth: with this, that run's attention took 5.6 s
- * instead of 8.4 (stop 34). */
+ * instead of 7.9-8.4 (stop 34). */
 static void prefetch_keys(const nls_model *m, const nls_layer *L, const int64_t *table, int64_t k0, int64_t k1) {
     const int64_t row_bytes = (int64_t)m->num_kv_heads * m->head_dim * (m->kv_dtype == NLS_KV_INT8 ? 1 : (int64_t)sizeof(float));
     for (int64_t t0 = k0; t0 < k1;) {
