@@ -149,3 +149,24 @@ def test_the_model_files_are_what_transformers_reads_from_the_gguf(
     AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name).save_pretrained(tmp_path / "ref")
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (entry / file).read_bytes() == (tmp_path / "ref" / file).read_bytes(), file
+
+
+@pytest.mark.timeout(300)
+def test_the_hf_baseline_of_a_first_start_gets_the_dense_weights_it_needs(
+    tmp_path: Path, isolated_cache: Path
+) -> None:
+    """`bench throughput` / `bench latency` load transformers from the engine's model dir; on
+    a fresh machine a GGUF entry has no model.safetensors yet (it used to raise OSError)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanollmserve.bench.hf_baselines import load_hf_model
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", block_type="Q8_0")
+    _, loaded, _ = greedy_tokens(str(path), prompts=PROMPTS[:1])
+    assert not (loaded["entry"] / "model.safetensors").exists()
+    baseline = load_hf_model(loaded["entry"], torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ids = torch.tensor([[5, 17, 42, 8, 99]])
+    with torch.inference_mode():
+        torch.testing.assert_close(baseline(ids).logits, reference(ids).logits)

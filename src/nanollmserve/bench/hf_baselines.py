@@ -25,8 +25,16 @@ def inference_mode(fn):
 
 
 def load_hf_model(model_dir, dtype):
+    """transformers' model of the engine's weights. A GGUF cache entry gets its dequantized
+    float32 weights first: a first start writes none (the engine runs the blocks)."""
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
+    from nanollmserve.model import gguf_cache
+
+    if gguf_cache.is_gguf_entry(Path(model_dir)):
+        gguf_cache.cached_dense_weights(Path(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.eval()
 
