@@ -156,6 +156,47 @@ static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64
     }
 }
 #else
+/* AVX2: ROWS rows (a compile-time constant at each call, so the loops unroll) against one
+ * decoded tile-block, each row's 16 integer sums in two registers across the block's 16 input
+ * pairs (a pair's weights loaded once for all the rows), then scaled into the row's
+ * accumulators as the other kernels do. Rows one at a time kept the sums of 16 pairs in
+ * flight at once, more than the 16 registers hold: the spills, and every weight reloaded for
+ * every row, held the kernel to about half of what `vpmaddwd` + `vpaddd` sustain (stop 35,
+ * scripts/kernel_peak.py). */
+#define AVX2_ROW_GROUP 4
+static inline __attribute__((always_inline)) void row_group_block(
+    int kind, const __m256i wbuf[16][2], __m256 dw0, __m256 dw1, __m256 mw0, __m256 mw1, int64_t b,
+    int64_t nb, int64_t in, const int16_t *xq, const float *dx, const float *sx, const int ROWS, float *acc) {
+    __m256i lo[AVX2_ROW_GROUP], hi[AVX2_ROW_GROUP];
+    for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+    /* one pair a pass: unrolled over the pairs, the compiler interleaves them and spills */
+#pragma GCC unroll 1
+    for (int p = 0; p < 16; p++) {
+        const __m256i w0 = _mm256_load_si256(&wbuf[p][0]), w1 = _mm256_load_si256(&wbuf[p][1]);
+        __m256i t0, t1;
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            const __m256i x = _mm256_set1_epi32(((const int32_t *)(xq + r * in + b * QK))[p]);
+            /* in place (the compiler otherwise adds into a fresh register and copies it back) */
+            __asm__("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[acc], %[acc]"
+                    : [acc] "+x"(lo[r]), [t] "=&x"(t0) : [w] "x"(w0), [x] "x"(x));
+            __asm__("vpmaddwd %[w], %[x], %[t]\n\tvpaddd %[t], %[acc], %[acc]"
+                    : [acc] "+x"(hi[r]), [t] "=&x"(t1) : [w] "x"(w1), [x] "x"(x));
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        float *y = acc + 32 * r;
+        const __m256 sd = _mm256_set1_ps(dx[r * nb + b]);
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_mul_ps(dw0, sd), _mm256_cvtepi32_ps(lo[r]), _mm256_loadu_ps(y)));
+        _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_mul_ps(dw1, sd), _mm256_cvtepi32_ps(hi[r]), _mm256_loadu_ps(y + 8)));
+        if (kind == KIND_Q4) {
+            const __m256 ss = _mm256_set1_ps(sx[r * nb + b]);
+            _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(mw0, ss, _mm256_loadu_ps(y + 16)));
+            _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(mw1, ss, _mm256_loadu_ps(y + 24)));
+        }
+    }
+}
+
 static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64_t nb, int64_t in,
                                    const int16_t *xq, const float *dx, const float *sx,
                                    int64_t rows, float *acc) {
@@ -183,25 +224,16 @@ static inline void tile_block_rows(int kind, const uint8_t *tb, int64_t b, int64
         mw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 16)));
         mw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 24)));
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const int32_t *x0 = (const int32_t *)(xq + r * in + b * QK);
-        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-        __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
-        for (int p = 0; p < 16; p += 2) {
-            const __m256i xa = _mm256_set1_epi32(x0[p]), xb = _mm256_set1_epi32(x0[p + 1]);
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(wbuf[p][0], xa));
-            c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(wbuf[p][1], xa));
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(wbuf[p + 1][0], xb));
-            c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(wbuf[p + 1][1], xb));
-        }
-        float *y = acc + 32 * r;
-        const __m256 sd = _mm256_set1_ps(dx[r * nb + b]);
-        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_mul_ps(dw0, sd), _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), _mm256_loadu_ps(y)));
-        _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_mul_ps(dw1, sd), _mm256_cvtepi32_ps(_mm256_add_epi32(c0, c1)), _mm256_loadu_ps(y + 8)));
-        if (kind == KIND_Q4) {
-            const __m256 ss = _mm256_set1_ps(sx[r * nb + b]);
-            _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(mw0, ss, _mm256_loadu_ps(y + 16)));
-            _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(mw1, ss, _mm256_loadu_ps(y + 24)));
+    for (int64_t r0 = 0; r0 < rows; r0 += AVX2_ROW_GROUP) {
+        const int64_t left = rows - r0;
+        const int16_t *x = xq + r0 * in;
+        const float *d0 = dx + r0 * nb, *s0 = sx + r0 * nb;
+        float *a = acc + 32 * r0;
+        switch (left < AVX2_ROW_GROUP ? left : AVX2_ROW_GROUP) {
+        case 1: row_group_block(kind, wbuf, dw0, dw1, mw0, mw1, b, nb, in, x, d0, s0, 1, a); break;
+        case 2: row_group_block(kind, wbuf, dw0, dw1, mw0, mw1, b, nb, in, x, d0, s0, 2, a); break;
+        case 3: row_group_block(kind, wbuf, dw0, dw1, mw0, mw1, b, nb, in, x, d0, s0, 3, a); break;
+        default: row_group_block(kind, wbuf, dw0, dw1, mw0, mw1, b, nb, in, x, d0, s0, 4, a); break;
         }
     }
 }
