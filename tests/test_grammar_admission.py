@@ -207,7 +207,10 @@ def test_a_full_server_answers_503_before_doing_any_work(strict_server):
         client.stream("POST", "/v1/completions", json=long_body) as running,
     ):
         assert running.status_code == 200
-        next(running.iter_lines())  # its first token: it holds the one sequence
+        # its first token: it holds the one sequence. The iterator is kept: a dropped one is
+        # collected at once, which closes the connection, and the server aborts the request.
+        lines = running.iter_lines()
+        next(lines)
         # Either would be a 400 once tokenized or compiled; a full server refuses first.
         bad_grammar = {"prompt": "Hi", "max_tokens": 4, "structured_outputs": {"regex": "("}}
         too_long = {"prompt": "word " * 100_000, "max_tokens": 4}
