@@ -112,14 +112,18 @@ static inline void block_sums(const int8_t *a_hi, const uint8_t *a_lo, int64_t i
  * in the vector kernel's order (acc = fma(d_w d_x, sum, acc) block by block; the m terms,
  * fma(m_w, s_x, macc) block by block, summed apart and added), so the numbers are the vector
  * kernel's. `scales`, `row_sums`: d_x and s_x by row group, block and row. */
+/* The 16 rows' accumulators are 16 named registers (EACH_ROW): as an array of 1 KB, the
+ * compiler kept them on the stack (a load and a store per row and block), past what its
+ * scalar replacement of aggregates takes on. */
+#define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 static void row_group(int kind, const uint8_t *tile, const int8_t *btiles, int64_t nb, int64_t in,
                       const int8_t *a_hi, const uint8_t *a_lo, int64_t r0, int64_t group, int32_t *sums,
                       const float *scales, const float *row_sums, float *totals,
                       const float *bias, float *y, int64_t out, int64_t t, int valid) {
     const int64_t tb_bytes = tile_block_bytes(kind);
     const int code_bytes = kind == KIND_Q4 ? 256 : 512;
-    __m512 acc[AMX_ROWS];
-    for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_setzero_ps();
+#define ZERO(i) __m512 acc##i = _mm512_setzero_ps();
+    EACH_ROW(ZERO)
     const int8_t *hi = a_hi + r0 * in;
     const uint8_t *lo = a_lo + r0 * in;
     for (int64_t b = 0; b < AHEAD && b < nb; b++) block_sums(hi + b * QK, lo + b * QK, in, btiles + b * 512, sums + b * 512);
@@ -128,28 +132,31 @@ static void row_group(int kind, const uint8_t *tile, const int8_t *btiles, int64
         if (next < nb) block_sums(hi + next * QK, lo + next * QK, in, btiles + next * 512, sums + (next % (AHEAD + 1)) * 512);
         const int32_t *s = sums + (b % (AHEAD + 1)) * 512;
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + b * tb_bytes + code_bytes)));
-        for (int i = 0; i < AMX_ROWS; i++) {
-            const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(s + 16 * i), 8),
-                                                   _mm512_loadu_si512(s + 256 + 16 * i));
-            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(scales[(r0 / AMX_ROWS * nb + b) * AMX_ROWS + i])),
-                                     _mm512_cvtepi32_ps(total), acc[i]);
-        }
+        const float *sc = scales + (r0 / AMX_ROWS * nb + b) * AMX_ROWS;
+#define SCALE(i)                                                                                          \
+        acc##i = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(sc[i])),                               \
+                                 _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(s + 16 * i), 8), \
+                                                                     _mm512_loadu_si512(s + 256 + 16 * i))),      \
+                                 acc##i);
+        EACH_ROW(SCALE)
     }
-    if (kind == KIND_Q4) { /* the m terms, apart: acc's registers are free again */
-        for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(totals + 16 * i, acc[i]);
-        for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    if (kind == KIND_Q4) { /* the m terms, apart: 16 more independent sums */
+#define KEEP(i) _mm512_storeu_ps(totals + 16 * i, acc##i); acc##i = _mm512_setzero_ps();
+        EACH_ROW(KEEP)
         for (int64_t b = 0; b < nb; b++) {
             const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + b * tb_bytes + code_bytes + 32)));
             const float *sb = row_sums + (r0 / AMX_ROWS * nb + b) * AMX_ROWS;
-            for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[i]), acc[i]);
+#define M_TERM(i) acc##i = _mm512_fmadd_ps(mw, _mm512_set1_ps(sb[i]), acc##i);
+            EACH_ROW(M_TERM)
         }
-        for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_add_ps(_mm512_loadu_ps(totals + 16 * i), acc[i]);
+#define JOIN(i) acc##i = _mm512_add_ps(_mm512_loadu_ps(totals + 16 * i), acc##i);
+        EACH_ROW(JOIN)
     }
-    for (int64_t i = 0; i < group; i++) {
-        float total[TILE];
-        _mm512_storeu_ps(total, acc[i]);
-        for (int j = 0; j < valid; j++) y[(r0 + i) * out + t * TILE + j] = total[j] + (bias ? bias[t * TILE + j] : 0.0f);
-    }
+    float rows[AMX_ROWS][TILE];
+#define OUT(i) _mm512_storeu_ps(rows[i], acc##i);
+    EACH_ROW(OUT)
+    for (int64_t i = 0; i < group; i++)
+        for (int j = 0; j < valid; j++) y[(r0 + i) * out + t * TILE + j] = rows[i][j] + (bias ? bias[t * TILE + j] : 0.0f);
 }
 
 /* Called by every thread of an enclosing parallel region (work-sharing loops inside): y[rows,
