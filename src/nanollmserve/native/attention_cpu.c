@@ -15,6 +15,12 @@
 
 #include "native.h"
 
+/* Six query rows' weighted values as named registers (X(0) .. X(5)): the ymm loops below
+ * kept an array of their accumulators on the stack, a load and a store per row and key (gcc
+ * scalarizes no array that large). ATTEND_ROWS and the span's pass are six rows. */
+#define SIX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+_Static_assert(ATTEND_ROWS == 6, "SIX_ROWS unrolls ATTEND_ROWS rows");
+
 /* The scaled dot products of query row `q` with 8 keys (`keys[c]`: hd floats each, their
  * scales in `key_scale`) as one vector: 8 accumulators, reduced together at the end (with
  * AVX-512 and hd a multiple of 16, 16 dimensions an instruction, each accumulator's halves
@@ -185,8 +191,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
 #endif
         for (int d0 = 0; d0 < hd; d0 += 16) {
             const int pair = hd - d0 >= 16;
-            __m256 acc[ATTEND_ROWS][2];
-            for (int x = 0; x < ATTEND_ROWS; x++) acc[x][0] = acc[x][1] = _mm256_setzero_ps();
+            /* named accumulators (SIX_ROWS): an array of them was kept on the stack */
+#define ZERO_ROW(x) __m256 lo##x = _mm256_setzero_ps(), hi##x = _mm256_setzero_ps();
+            SIX_ROWS(ZERO_ROW)
             block = k0 / bs, offset = k0 % bs;
             for (int64_t t = k0; t < last; t++) {
                 const int64_t row = (block_table[block] * bs + offset) * kvh + g;
@@ -202,18 +209,21 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
                     v0 = _mm256_loadu_ps(v);
                     if (pair) v1 = _mm256_loadu_ps(v + 8);
                 }
-                for (int x = 0; x < ATTEND_ROWS; x++) {
-                    if (x >= nr) break;
-                    const __m256 w = _mm256_broadcast_ss(scores + x * width + (t - k0));
-                    acc[x][0] = _mm256_fmadd_ps(w, v0, acc[x][0]);
-                    acc[x][1] = _mm256_fmadd_ps(w, v1, acc[x][1]);
+#define WEIGH_ROW(x)                                                                  \
+                if (x < nr) {                                                         \
+                    const __m256 w = _mm256_broadcast_ss(scores + x * width + (t - k0)); \
+                    lo##x = _mm256_fmadd_ps(w, v0, lo##x);                           \
+                    hi##x = _mm256_fmadd_ps(w, v1, hi##x);                           \
                 }
+                SIX_ROWS(WEIGH_ROW)
             }
-            for (int x = 0; x < nr; x++) {
-                float *p = part + (int64_t)(r0 + x) * (hd + 2);
-                _mm256_storeu_ps(p + 2 + d0, acc[x][0]);
-                if (pair) _mm256_storeu_ps(p + 2 + d0 + 8, acc[x][1]);
+#define STORE_ROW(x)                                                     \
+            if (x < nr) {                                                \
+                float *p = part + (int64_t)(r0 + x) * (hd + 2);          \
+                _mm256_storeu_ps(p + 2 + d0, lo##x);                     \
+                if (pair) _mm256_storeu_ps(p + 2 + d0 + 8, hi##x);       \
             }
+            SIX_ROWS(STORE_ROW)
         }
         for (int x = 0; x < nr; x++) {
             float *p = part + (int64_t)(r0 + x) * (hd + 2);
@@ -352,8 +362,7 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
         const int rr = rows - r0 < 6 ? rows - r0 : 6;
         const int64_t last = p0 + (r0 + rr - 1) / group + 1; /* the keys the pass's last row sees */
         for (int d0 = 0; d0 < hd; d0 += 16) {
-            __m256 acc[6][2];
-            for (int x = 0; x < 6; x++) acc[x][0] = acc[x][1] = _mm256_setzero_ps();
+            SIX_ROWS(ZERO_ROW)
             for (int64_t t = 0; t < last; t++) {
                 const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
                 __m256 v0, v1;
@@ -366,20 +375,23 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
                     v0 = _mm256_loadu_ps(v);
                     v1 = hd - d0 >= 16 ? _mm256_loadu_ps(v + 8) : _mm256_setzero_ps();
                 }
-                for (int x = 0; x < 6; x++) {
-                    if (x >= rr) break;
-                    const __m256 w = _mm256_broadcast_ss(scores + (int64_t)(r0 + x) * width + t);
-                    acc[x][0] = _mm256_fmadd_ps(w, v0, acc[x][0]);
-                    acc[x][1] = _mm256_fmadd_ps(w, v1, acc[x][1]);
+#define SPAN_WEIGH_ROW(x)                                                                 \
+                if (x < rr) {                                                             \
+                    const __m256 w = _mm256_broadcast_ss(scores + (int64_t)(r0 + x) * width + t); \
+                    lo##x = _mm256_fmadd_ps(w, v0, lo##x);                               \
+                    hi##x = _mm256_fmadd_ps(w, v1, hi##x);                               \
                 }
+                SIX_ROWS(SPAN_WEIGH_ROW)
             }
-            for (int x = 0; x < rr; x++) {
-                const int r = r0 + x;
-                float *o = out + (r / group) * out_stride + (int64_t)(r % group) * hd + d0;
-                const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-                _mm256_storeu_ps(o, _mm256_mul_ps(acc[x][0], inv));
-                if (hd - d0 >= 16) _mm256_storeu_ps(o + 8, _mm256_mul_ps(acc[x][1], inv));
+#define SPAN_STORE_ROW(x)                                                                       \
+            if (x < rr) {                                                                       \
+                const int r = r0 + x;                                                           \
+                float *o = out + (r / group) * out_stride + (int64_t)(r % group) * hd + d0;     \
+                const __m256 inv = _mm256_set1_ps(inv_sum[r]);                                  \
+                _mm256_storeu_ps(o, _mm256_mul_ps(lo##x, inv));                                 \
+                if (hd - d0 >= 16) _mm256_storeu_ps(o + 8, _mm256_mul_ps(hi##x, inv));          \
             }
+            SIX_ROWS(SPAN_STORE_ROW)
         }
     }
 }
