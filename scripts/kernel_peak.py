@@ -8,8 +8,9 @@ with NANOLLMSERVE_CPU_ISA in a process of its own), on one thread:
 
 - the peak: a C loop of independent multiply-adds of the instruction the level's vector
   kernel uses (`avx2`: `vpmaddwd` + `vpaddd` on ymm, 16 int16 products each;
-  `avx512`/`amx`: `vpdpwssd` on zmm, 32), compiled here with gcc from
-  `scripts/kernel_peak.c`, in GMAC/s; for `amx` also `tdpbssd` (16 x 16 x 64 int8 products);
+  `avx512`/`amx`: `vpdpwssd` on zmm, 32), built here from `scripts/kernel_peak.c` with the
+  library's compiler and flags, in GMAC/s; for `amx` also `tdpbssd` (16 x 16 x 64 int8
+  products);
 - the kernel: `ops.gguf_matmul` of a Q4_1 gate/up projection of the bundled model's shape
   (3072 x 576) at each row count, in GMAC/s (median of the repeats), and its share of the
   vector peak. `gguf_matmul` runs the accumulator kernel (`tile_block_rows`) below
@@ -34,19 +35,16 @@ from pathlib import Path
 
 PEAK_SOURCE = Path(__file__).with_suffix(".c")
 
-PEAK_FLAGS = {
-    "avx2": ["-mavx2", "-mfma"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vnni"],
-    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
-}
-
 
 def peak(level: str) -> dict:
-    """The level's multiply-add peak on one thread (the C loop above)."""
+    """The level's multiply-add peak on one thread (`scripts/kernel_peak.c`, built with the
+    compiler and ISA flags of the level's library, as an executable)."""
+    from nanollmserve.native import build
+
+    flags = [flag for flag in build.build_flags(level) if flag != "-shared"]
     with tempfile.TemporaryDirectory() as tmp:
         binary = Path(tmp) / "peak"
-        compile_command = ["gcc", "-O2", *PEAK_FLAGS[level], str(PEAK_SOURCE), "-o", str(binary)]
-        subprocess.run(compile_command, check=True)
+        subprocess.run([build._compiler(), *flags, str(PEAK_SOURCE), "-o", str(binary)], check=True)
         run = subprocess.run([str(binary)], check=True, capture_output=True, text=True)
     return json.loads(run.stdout)
 

@@ -107,15 +107,16 @@ static inline void block_sums(const int8_t *a_hi, const uint8_t *a_lo, int64_t i
     _tile_stored(1, sums + 256, 64);
 }
 
+/* The 16 rows' accumulators are 16 named registers (EACH_ROW): as an array of 1 KB, the
+ * compiler kept them on the stack (a load and a store per row and block), past what its
+ * scalar replacement of aggregates takes on. */
+#define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+
 /* One group of 16 activation rows (rows past `group` are zeros) against tile `tile`, whose B
  * tiles are built -> y for the group's rows: each row's 16 sums accumulated across the blocks
  * in the vector kernel's order (acc = fma(d_w d_x, sum, acc) block by block; the m terms,
  * fma(m_w, s_x, macc) block by block, summed apart and added), so the numbers are the vector
  * kernel's. `scales`, `row_sums`: d_x and s_x by row group, block and row. */
-/* The 16 rows' accumulators are 16 named registers (EACH_ROW): as an array of 1 KB, the
- * compiler kept them on the stack (a load and a store per row and block), past what its
- * scalar replacement of aggregates takes on. */
-#define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 static void row_group(int kind, const uint8_t *tile, const int8_t *btiles, int64_t nb, int64_t in,
                       const int8_t *a_hi, const uint8_t *a_lo, int64_t r0, int64_t group, int32_t *sums,
                       const float *scales, const float *row_sums, float *totals,
@@ -157,6 +158,12 @@ static void row_group(int kind, const uint8_t *tile, const int8_t *btiles, int64
     EACH_ROW(OUT)
     for (int64_t i = 0; i < group; i++)
         for (int j = 0; j < valid; j++) y[(r0 + i) * out + t * TILE + j] = rows[i][j] + (bias ? bias[t * TILE + j] : 0.0f);
+#undef ZERO
+#undef SCALE
+#undef KEEP
+#undef M_TERM
+#undef JOIN
+#undef OUT
 }
 
 /* Called by every thread of an enclosing parallel region (work-sharing loops inside): y[rows,

@@ -20,6 +20,8 @@
  * scalarizes no array that large). ATTEND_ROWS and the span's pass are six rows. */
 #define SIX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 _Static_assert(ATTEND_ROWS == 6, "SIX_ROWS unrolls ATTEND_ROWS rows");
+/* Row x's two accumulators (16 dimensions), zeroed. */
+#define ZERO_ROW(x) __m256 lo##x = _mm256_setzero_ps(), hi##x = _mm256_setzero_ps();
 
 /* The scaled dot products of query row `q` with 8 keys (`keys[c]`: hd floats each, their
  * scales in `key_scale`) as one vector: 8 accumulators, reduced together at the end (with
@@ -191,8 +193,6 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
 #endif
         for (int d0 = 0; d0 < hd; d0 += 16) {
             const int pair = hd - d0 >= 16;
-            /* named accumulators (SIX_ROWS): an array of them was kept on the stack */
-#define ZERO_ROW(x) __m256 lo##x = _mm256_setzero_ps(), hi##x = _mm256_setzero_ps();
             SIX_ROWS(ZERO_ROW)
             block = k0 / bs, offset = k0 % bs;
             for (int64_t t = k0; t < last; t++) {
