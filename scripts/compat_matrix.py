@@ -448,8 +448,10 @@ CELLS: dict[tuple[str, str], Cell] = {
     ),
     ("gguf", "kvdtype"): works(
         KV_DTYPE + "test_perplexity_with_int8_kv_is_within_half_a_percent",
+        KV_DTYPE + "test_float16_kv_keeps_float32s_perplexity_and_greedy_answers",
         "tests/test_kv_cache_dtype_server.py::test_http_and_grpc_answer_from_an_int8_pool",
-        note="int8 K/V run the native step on the blocks; fp8 runs the PyTorch forward.",
+        note="Under the blocks `auto` is a float16 pool (decision 37); float16 and int8 K/V "
+        "run the native step on the blocks; fp8 runs the PyTorch forward.",
     ),
     ("int8", "kvdtype"): works(KV_STACK, KV_SLEEP),
     ("lora", "kvdtype"): works(KV_DTYPE + "test_lora_on_int8"),
@@ -540,7 +542,8 @@ CELLS: dict[tuple[str, str], Cell] = {
     ("gguf", "offload"): works(
         OFFLOAD + "test_a_new_engine_loads_the_blocks_the_last_one_wrote[auto]",
         OFFLOAD + "test_blocks_of_another_dtype_weight_format_or_layout_never_load[weight-format]",
-        note="The weight format is in the key: dense and GGUF-block K/V never mix.",
+        note="The weight format is in the key: dense and GGUF-block K/V never mix; the "
+        "GGUF blocks' pool is float16 (`auto`), its dtype in the key too.",
     ),
     ("int8", "offload"): works(STORE_STACK),
     ("lora", "offload"): works(
@@ -599,7 +602,9 @@ CELLS: dict[tuple[str, str], Cell] = {
         "tests/test_pd_worker.py::test_a_role_with_tensor_parallelism_is_refused_at_start",
         note="A prefill or decode role needs the block store, which a sharded worker lacks.",
     ),
-    ("gguf", "pd"): works(PD_GGUF, note="Both roles run the bundled model's GGUF blocks."),
+    ("gguf", "pd"): works(
+        PD_GGUF, note="Both roles run the bundled model's GGUF blocks on float16 pools (`auto`)."
+    ),
     ("int8", "pd"): works(PD_INT8),
     ("lora", "pd"): works(
         PD + "test_an_adapter_runs_both_phases",

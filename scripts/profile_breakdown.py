@@ -1,7 +1,7 @@
 """Where an engine step's time goes: the breakdown table of docs/benchmarks.md.
 
     .venv/bin/python scripts/profile_breakdown.py [--batch 1,32] [--steps 30]
-        [--paths native,forward] [--serve]
+        [--paths native,forward] [--kv-cache-dtype auto] [--serve]
 
 Offline part: the bundled model (CPU default dtype), B requests decoding together; each
 step is split, with wall-clock timers around the engine's own functions (no profiler, whose
@@ -168,12 +168,13 @@ def main() -> None:
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--paths", default="native", help="native, forward or native,forward")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     parser.add_argument("--serve", action="store_true")
     args = parser.parse_args()
     from nanollmserve.bench.provenance import provenance
 
     result = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    llm = LLM(num_kv_blocks=4096)
+    llm = LLM(num_kv_blocks=4096, kv_cache_dtype=args.kv_cache_dtype)
     result["offline"] = [
         offline(llm, int(b), args.steps, path)
         for b in args.batch.split(",")

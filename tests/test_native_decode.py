@@ -215,19 +215,25 @@ def test_the_native_step_runs_several_tokens_of_a_sequence_like_the_forward(make
 
 
 @pytest.mark.milestone("m22")
-def test_a_verify_span_gives_the_bits_of_its_tokens_one_at_a_time(make_llm):
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_a_verify_span_gives_the_bits_of_its_tokens_one_at_a_time(make_llm, kv_cache_dtype):
     """Decode tokens and verify spans attend over chunks of their keys (64 each, more past
     1,024 keys), one work item per KV head and chunk, merged after. At a context inside one
     chunk, over several, and across the length where the chunks grow, a 5-token span's logits
     equal the PyTorch forward's, and, bit for bit, those of its tokens run one at a time: a
-    row's numbers depend on its own context only, not on the rows beside it."""
-    llm = make_llm(quantization="gguf", block_size=16, num_kv_blocks=160)
+    row's numbers depend on its own context only, not on the rows beside it. On a float16
+    cache too (the default), where the forward's prefill attends to its K/V before they are
+    rounded to halves and the native steps read the halves: measured 1.2e-3 at 1,021 keys."""
+    llm = make_llm(
+        quantization="gguf", block_size=16, num_kv_blocks=160, kv_cache_dtype=kv_cache_dtype
+    )
     runner = llm.engine.model_runner
     token_ids = (llm.tokenizer.encode(PROMPTS[1]) * 40)[:1100]
     block_ids = [(7 * i + 3) % 160 for i in range(-(-1100 // runner.block_size))]
+    tolerance = 1e-3 if kv_cache_dtype == "float32" else 4e-3
     for position in (10, 300, 1021):
         worst, kv_error = native_against_forward(llm, token_ids, position, 5)
-        assert worst < 1e-3 and kv_error < 1e-3, (position, worst, kv_error)
+        assert worst < tolerance and kv_error < tolerance, (position, worst, kv_error)
         span = runner.native_decode(
             [StepSpan(token_ids[position : position + 5], position, block_ids, 5)]
         )

@@ -186,6 +186,7 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     from types import SimpleNamespace
 
     from nanollmserve.engine.native_decode import StepSpan
+    from nanollmserve.native import ops
     from nanollmserve.native.build import kernels_unavailable_reason, load_kernels
 
     if kernels_unavailable_reason():
@@ -251,11 +252,12 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     out = torch.empty_like(q)
     scores = torch.empty(1 << 16, dtype=torch.uint8)
 
-    def raw_attention(table: list[int], length: int) -> int:
+    def raw_attention(table: list[int], length: int, kv_dtype: int | None = None) -> int:
         tables, lens = torch.tensor([table]), torch.tensor([length])
+        kv_dtype = ops.KV_DTYPE_CODES[k_cache.dtype] if kv_dtype is None else kv_dtype
         return library.nls_paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), attention.v_cache.data_ptr(), 1,
-            attention.num_heads, attention.num_kv_heads, attention.head_dim, k_cache.shape[1],
+            q.data_ptr(), k_cache.data_ptr(), attention.v_cache.data_ptr(), None, None, kv_dtype,
+            1, attention.num_heads, attention.num_kv_heads, attention.head_dim, k_cache.shape[1],
             k_cache.shape[0], attention.scale, tables.data_ptr(), 1, lens.data_ptr(),
             out.data_ptr(), scores.data_ptr(), scores.numel(), 1,
         )  # fmt: skip
@@ -263,6 +265,8 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     assert raw_attention([0], 17) == -2  # longer than its one block of 16
     assert raw_attention([-5], 3) == -4
     assert raw_attention([k_cache.shape[0]], 3) == -4  # one past the pool
+    assert raw_attention([0], 3, kv_dtype=7) == -5  # a K/V type it does not know
+    assert raw_attention([0], 3, kv_dtype=ops.NLS_KV_INT8) == -5  # int8 without its scales
     assert raw_attention([0], 3) == 0
 
     projection = llm.engine.model_runner.model.model.layers[0].mlp.down_proj

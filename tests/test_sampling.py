@@ -325,3 +325,19 @@ def test_vocabulary_checks_at_admission(llm):
         llm.generate([[1, 2, vocab]])
     with pytest.raises(ValueError, match="empty"):
         llm.generate("")
+
+
+def test_greedy_rows_take_argmaxs_token_ties_nans_and_empty_rows_included():
+    from nanollmserve.layers.sampler import Sampler, SamplingMetadata, argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen)
+    logits[0, [7, 40000]] = 50.0  # a tie: the first
+    logits[1, 123] = float("nan")  # a NaN: argmax's pick
+    logits[2] = float("-inf")  # nothing finite: index 0
+    logits[3, 9] = float("inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[:4].tolist() == [7, 123, 0, 9]
+    meta = SamplingMetadata(temperature=torch.zeros(6), all_greedy=True)
+    finite = torch.randn(6, 49152, generator=gen)
+    assert torch.equal(Sampler()(finite, meta).token_ids, finite.argmax(dim=-1))

@@ -195,6 +195,7 @@ def test_engine_sizes_the_cuda_kv_pool_from_the_utilization(monkeypatch):
         config=EngineConfig(gpu_memory_utilization=0.5),
         device=torch.device("cuda"),
         dtype=torch.float16,
+        kv_cache_dtype="auto",
         model_config=SimpleNamespace(kv_bytes_per_token=lambda dtype, tp_size=1: 1 << 20),
     )
     # 40 GiB budget - 20 GiB weights = 20 GiB = 20 * 1024 blocks of 16 tokens x 1 MiB... / 16.

@@ -161,12 +161,12 @@ class EngineConfig:
                 f"kv_cache_dtype must be {' | '.join(KV_CACHE_DTYPE_NAMES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype == "auto":
+        if self.kv_cache_dtype in ("auto", "float32", "float16"):
             return
         if self.kv_offload_dir is not None:
             raise UserError(
                 f"kv_cache_dtype {self.kv_cache_dtype} is not supported with kv_offload_dir "
-                "(the offloaded block format has no scales): use auto"
+                "(the offloaded block format has no scales): use auto, float32 or float16"
             )
 
     def _check_kv_offload(self) -> None:
@@ -206,8 +206,8 @@ class EngineConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-"""vLLM's names (`layers/kv_quant.py` maps them to dtypes)."""
+KV_CACHE_DTYPE_NAMES = ("auto", "float32", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's names and two float types (`layers/kv_quant.py` maps them to dtypes)."""
 MAX_STEP_RECORD = 1 << 20
 """The most steps `step_record` may keep."""
 

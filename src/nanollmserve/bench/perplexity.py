@@ -16,7 +16,10 @@ A `Scorer` is a model as two functions: the hidden states of a window's position
 scored targets, then float32 logits for some of those rows (computed `ROW_CHUNK` rows at a time
 for every model, so a window of thousands of tokens never holds more than a chunk of
 vocabulary-wide rows per model). `engine_scorer` runs the engine's own model forward (the one
-the server runs), `hf_scorer` a transformers model.
+the server runs), `hf_scorer` a transformers model, and `cached_engine_scorer` the engine's
+forward in chunks that read every key and value back from a paged KV cache of a given
+`--kv-cache-dtype`, as decode steps do (a whole-window forward attends to its K/V as
+computed, so the cache's element type would not show).
 """
 
 from __future__ import annotations
@@ -167,6 +170,67 @@ def engine_scorer(model, device) -> Scorer:
         finally:
             reset_context()
         return out[first_row:last_row]
+
+    return Scorer(hidden, lambda rows: model.compute_logits(rows).cpu())
+
+
+CACHE_CHUNK = 64
+"""Tokens per forward of `cached_engine_scorer`: a prefill chunk's size."""
+CACHE_BLOCK = 16
+"""Tokens per block of `cached_engine_scorer`'s paged cache: the engine's default."""
+
+
+def cached_engine_scorer(model, device, kv_cache_dtype: str, dtype) -> Scorer:
+    """The engine's model forward over one window, `CACHE_CHUNK` tokens at a time, each chunk
+    writing its K/V into a paged cache of `kv_cache_dtype` (`layers/kv_quant.py`; the model's
+    dtype is `dtype`) and attending to all of the window's keys so far, its own included,
+    read back from that cache: what a decode step or a later prefill chunk reads. The cache is
+    bound to the model's attention layers for the window, then unbound."""
+    import torch
+
+    from nanollmserve.layers.attention import PagedAttention
+    from nanollmserve.layers.attention_context import (
+        AttentionContext,
+        PrefillSpan,
+        reset_context,
+        set_context,
+    )
+    from nanollmserve.layers.kv_quant import SCALE_DTYPE, is_quantized, kv_cache_storage_dtype
+
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    storage = kv_cache_storage_dtype(kv_cache_dtype, dtype)
+
+    def bind(num_blocks: int) -> None:
+        for layer in layers:
+            shape = (num_blocks, CACHE_BLOCK, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=storage, device=device)
+            layer.v_cache = torch.zeros(shape, dtype=storage, device=device)
+            if is_quantized(storage):
+                layer.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+                layer.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+
+    def unbind() -> None:
+        for layer in layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_scale = layer.v_scale = None
+
+    def hidden(window_ids, first_row: int, last_row: int):
+        n = len(window_ids)
+        num_blocks = -(-n // CACHE_BLOCK)
+        block_ids = torch.arange(num_blocks, device=device)
+        bind(num_blocks)
+        outs = []
+        try:
+            for start in range(0, n, CACHE_CHUNK):
+                end = min(start + CACHE_CHUNK, n)
+                positions = torch.arange(start, end, device=device)
+                span = PrefillSpan.over_cache(0, end - start, end, block_ids, dtype)
+                set_context(AttentionContext(slot_mapping=positions, prefills=[span]))
+                outs.append(model(window_ids[start:end].to(device), positions))
+        finally:
+            reset_context()
+            unbind()
+        return torch.cat(outs)[first_row:last_row]
 
     return Scorer(hidden, lambda rows: model.compute_logits(rows).cpu())
 

@@ -31,8 +31,13 @@ CONFIGS = {
     "int8": {"quantization": "int8"},
     "fp16": {"quantization": "fp16"},
     "gguf": {"quantization": "gguf"},
+    "gguf_kv32": {"quantization": "gguf", "kv_cache_dtype": "float32"},
+    "gguf_kv16": {"quantization": "gguf", "kv_cache_dtype": "float16"},
+    "gguf_kv8": {"quantization": "gguf", "kv_cache_dtype": "int8"},
 }
-"""Configuration name -> the engine arguments that make it."""
+"""Configuration name -> the engine arguments that make it. A configuration that names a
+`kv_cache_dtype` scores through a paged cache of that type (`perplexity.cached_engine_scorer`):
+its rows differ from `gguf_kv32`'s by what the cache's element type costs."""
 DEFAULT_CONFIGS = "fp32,bf16,int8,fp16,gguf"
 REFERENCE = "fp32"
 HF_REFERENCE = "hf_fp32"
@@ -126,9 +131,7 @@ def run(args: argparse.Namespace) -> int:
     source = loaded[REFERENCE].source
     tokenizer = load_tokenizer(loaded[REFERENCE].model_dir)
     token_ids = tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
-    scorers = {
-        name: perplexity.engine_scorer(m.model.eval(), m.device) for name, m in loaded.items()
-    }
+    scorers = {name: engine_scorer(name, m) for name, m in loaded.items()}
     if args.hf_reference:
         import torch
 
@@ -189,6 +192,17 @@ def run(args: argparse.Namespace) -> int:
         loaded.clear()
         result["llamacpp_greedy_agreement"] = llamacpp_agreement(args, names, tokenizer, end_ids)
     return emit(result, args)
+
+
+def engine_scorer(name: str, loaded):
+    """Configuration `name`'s scorer: through a paged cache when it names a KV cache type."""
+    from nanollmserve.bench import perplexity
+
+    kv_cache_dtype = CONFIGS[name].get("kv_cache_dtype")
+    model = loaded.model.eval()
+    if kv_cache_dtype is None:
+        return perplexity.engine_scorer(model, loaded.device)
+    return perplexity.cached_engine_scorer(model, loaded.device, kv_cache_dtype, loaded.dtype)
 
 
 def checks(results: dict) -> dict:

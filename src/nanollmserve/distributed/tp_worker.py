@@ -21,6 +21,7 @@ from nanollmserve.distributed.step_channel import broadcast_int, receive_step
 from nanollmserve.engine.model_loading import load_engine_model
 from nanollmserve.engine.model_runner import ModelRunner
 from nanollmserve.layers.attention_context import set_context
+from nanollmserve.layers.kv_quant import resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
             block_size=config.block_size,
             device=loaded.device,
             dtype=loaded.dtype,
-            kv_cache_dtype=config.kv_cache_dtype,  # each rank quantizes its own KV heads
+            # each rank quantizes its own KV heads
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.quantization),
         )
         broadcast_int(None)  # ready: rank 0 serves once every rank has its KV cache
         logger.info(

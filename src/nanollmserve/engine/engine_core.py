@@ -36,7 +36,11 @@ from nanollmserve.engine.scheduler import Scheduler
 from nanollmserve.engine.spec_decode.proposer import make_speculative_decoder
 from nanollmserve.engine.stats import EngineCounters, EngineStats, StepStats
 from nanollmserve.errors import UserError
-from nanollmserve.layers.kv_quant import kv_bytes_per_token, kv_cache_storage_dtype
+from nanollmserve.layers.kv_quant import (
+    kv_bytes_per_token,
+    kv_cache_storage_dtype,
+    resolve_kv_cache_dtype,
+)
 
 if TYPE_CHECKING:
     from nanollmserve.distributed.tp_executor import TensorParallelExecutor
@@ -76,6 +80,9 @@ class EngineCore:
         model_config = self.loaded.model_config
         self.model_config = model_config
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.loaded.quantization
+        )
         block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(block_size)
         self.max_model_len = self._max_model_len(self.num_kv_blocks * block_size)
@@ -262,7 +269,7 @@ class EngineCore:
             device=self.device,
             dtype=self.dtype,
             seed=self.config.seed,
-            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     # -- sleep mode -----------------------------------------------------------------------
@@ -343,7 +350,7 @@ class EngineCore:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         tp_size = self.config.tensor_parallel_size
-        kv_dtype = kv_cache_storage_dtype(self.config.kv_cache_dtype, self.dtype)
+        kv_dtype = kv_cache_storage_dtype(self.kv_cache_dtype, self.dtype)
         bytes_per_block = kv_bytes_per_token(self.model_config, kv_dtype, tp_size) * block_size
         memory = self.config.kv_cache_memory
         if memory is None:

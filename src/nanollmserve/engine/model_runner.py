@@ -111,6 +111,11 @@ class ModelRunner:
                 *(num_blocks, block_size, self.kv_cache_dtype, SCALE_DTYPE),
                 (self.kv_cache.nbytes + self.kv_scales.nbytes) / 2**20,
             )
+        else:
+            logger.info(
+                "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
+                *(num_blocks, block_size, self.kv_cache_dtype, self.kv_cache.nbytes / 2**20),
+            )
         self.native_steps: Counter[str] = Counter()
         """Steps run by `native_decode`, by kind: decode, verify, prefill."""
         self.sampler = Sampler(seed=seed, device=device)

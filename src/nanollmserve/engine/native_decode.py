@@ -17,8 +17,8 @@ The step is built from the model's own declaration (`model.native_decoder()`,
 `model/native_decoder.py`), never from its internals: a model that cannot declare itself
 (an option the native layer lacks, projections not in GGUF blocks, tensor parallelism)
 is refused at load with that reason logged, and so is a declaration outside the kernels'
-limits (head_dim a multiple of 8 up to 256; a KV cache of float32, or int8 with its scales:
-`--kv-cache-dtype int8` is written quantized and read in place by the step, fp8 is not) or a
+limits (head_dim a multiple of 8 up to 256; a KV cache of float32, float16, or int8 with its
+scales: `--kv-cache-dtype int8` is written quantized and read in place by the step, fp8 is not) or a
 build without the kernels; every step then runs the PyTorch forward. The model runner decides
 which steps run here; everything after the logits (grammar masks, sampling, logprobs) is
 unchanged.
@@ -106,7 +106,7 @@ def _kernel_limits(decoder: NativeDecoder) -> str | None:
     if layer.k_cache.numel() == 0:
         return "the KV cache is not bound"
     if layer.k_cache.dtype not in KV_DTYPE_CODES:
-        return f"the step reads a float32 or int8 KV cache, not {layer.k_cache.dtype}"
+        return f"the step reads a float32, float16 or int8 KV cache, not {layer.k_cache.dtype}"
     if layer.k_cache.dtype == torch.int8 and any(
         each.k_scale is None or each.v_scale is None for each in decoder.layers
     ):

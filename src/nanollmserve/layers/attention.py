@@ -13,7 +13,9 @@ decode tokens instead read their keys and values in place, in C (`paged_decode_a
 `native/ops.py`, `native/attention_cpu.c`): no gather, no padding to the longest sequence;
 SDPA over the gathered blocks stays for GPUs and as the reference.
 
-A quantized cache (`--kv-cache-dtype`, `layers/kv_quant.py`) holds 8-bit codes in `k_cache` /
+A float16 cache (`--kv-cache-dtype float16`) under a float32 model is cast as it is written and
+as its blocks are gathered; the native attention reads its halves in place. A quantized cache
+(`--kv-cache-dtype`, `layers/kv_quant.py`) holds 8-bit codes in `k_cache` /
 `v_cache` and a float32 scale per token and KV head in `k_scale` / `v_scale` ([num_blocks,
 block_size, kv_heads]): the write quantizes, the native decode attention reads int8 codes in
 place (dequantized in registers), and SDPA (fp8, GPUs, prefill over a cached prefix) reads
@@ -66,7 +68,7 @@ class PagedAttention(nn.Module):
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
         for cache, scale, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
             if scale is None:
-                cache.view(kv_shape).index_copy_(0, slot_mapping, x)
+                cache.view(kv_shape).index_copy_(0, slot_mapping, x.to(cache.dtype))
                 continue
             codes, scales = quantize(x, cache.dtype)
             # as bytes: index_copy_ has no float8 kernel
@@ -81,11 +83,13 @@ class PagedAttention(nn.Module):
         scale: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim];
-        a quantized cache's blocks (`scale` given) dequantized to `dtype`."""
+        """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]
+        in `dtype` (None: the cache's); a quantized cache's blocks (`scale` given)
+        dequantized."""
         ids = block_ids.reshape(-1)
         if scale is None:
             rows = cache.index_select(0, ids)
+            rows = rows if dtype is None else rows.to(dtype)
         else:
             codes = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype)
             rows = dequantize(codes, scale.index_select(0, ids), dtype)
@@ -137,14 +141,14 @@ class PagedAttention(nn.Module):
 
 def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int):
     """The native ops (`native/ops.py`) when they can attend these decodes (float32 queries
-    on the CPU, a contiguous float32 or int8 cache, head_dim a multiple of 8 up to
+    on the CPU, a contiguous float32, float16 or int8 cache, head_dim a multiple of 8 up to
     `MAX_HEAD_DIM`), else None: SDPA over gathered blocks."""
     from nanollmserve.native import ops
 
     if (
         q.device.type != "cpu"
         or q.dtype != torch.float32
-        or k_cache.dtype not in (torch.float32, torch.int8)
+        or k_cache.dtype not in (torch.float32, torch.float16, torch.int8)
         or not k_cache.is_contiguous()
         or head_dim % 8
         or head_dim > ops.MAX_HEAD_DIM

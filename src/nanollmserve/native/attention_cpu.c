@@ -1,13 +1,13 @@
 /* Attention over the paged KV cache on the CPU (K/V laid out [blocks, block_size, kv_heads,
- * head_dim], float32 or int8 codes with a float scale per token and KV head: `nls_kv_cache` in
- * native.h), read in place through block tables: query rows over a chunk of keys, their partial
+ * head_dim], float32, float16, or int8 codes with a float scale per token and KV head:
+ * `nls_kv_cache` in native.h), read in place through block tables: query rows over a chunk of keys, their partial
  * softmaxes merged after (`nls_attend_chunk`, `nls_merge_chunks`: the decode step's decode
  * tokens and verify spans in gguf_cpu.c), a run of a sequence's tokens as tiles
  * (`nls_attend_span`), and the decode tokens of the PyTorch path's batched step, a KV head's
- * query heads at a time (`nls_attend_group` inside `nls_paged_decode_attention`,
- * `nls_paged_decode_attention_int8`). An int8
- * row is dequantized in registers (8 codes widened to floats, times the row's scale), never
- * copied out as floats. */
+ * query heads at a time (`nls_attend_group` inside `nls_paged_decode_attention`). An int8 row
+ * is dequantized in registers (8 codes widened to floats, times the row's scale), a float16
+ * row converted in registers (F16C), never copied out as floats. Each loop takes the cache's
+ * type `kind` as a constant: the compiler makes one copy of it per type. */
 
 #include <string.h>
 
@@ -62,7 +62,7 @@ static inline __m256 scores8(const float *q, const float *const keys[8], __m256 
 static inline __attribute__((always_inline)) void weighted_values_512(const nls_kv_cache *kv, int kvh, int g, int hd,
                                                                       int bs, const int64_t *block_table, int64_t k0,
                                                                       int64_t last, const float *scores, int64_t width,
-                                                                      int nr, float *part, const int int8) {
+                                                                      int nr, float *part, const int kind) {
     for (int d0 = 0; d0 < hd; d0 += 64) {
         __m512 acc[ATTEND_ROWS][4];
         for (int x = 0; x < ATTEND_ROWS; x++)
@@ -72,11 +72,14 @@ static inline __attribute__((always_inline)) void weighted_values_512(const nls_
             const int64_t row = (block_table[block] * bs + offset) * kvh + g;
             if (++offset == bs) offset = 0, block++;
             __m512 v[4];
-            if (int8) {
+            if (kind == NLS_KV_INT8) {
                 const int8_t *src = (const int8_t *)kv->v + row * hd + d0;
                 const __m512 vs = _mm512_set1_ps(kv->v_scale[row]);
                 for (int j = 0; j < 4; j++)
                     v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * j)))), vs);
+            } else if (kind == NLS_KV_F16) {
+                const uint16_t *src = (const uint16_t *)kv->v + row * hd + d0;
+                for (int j = 0; j < 4; j++) v[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 16 * j)));
             } else {
                 const float *src = (const float *)kv->v + row * hd + d0;
                 for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(src + 16 * j);
@@ -115,18 +118,18 @@ static inline float largest_of(const float *row, int64_t n) {
  * exp(score - largest) and the values weighted by those exponentials, not yet divided by the
  * sum (`nls_merge_chunks` joins a row's chunks). Up to ATTEND_ROWS rows at a time: the scores
  * 8 keys per row at a time, the weighted values 16 dimensions of every row at a time (64 with
- * AVX-512) from registers, each value row read once for all of them. An int8 row's scale multiplies its dot
- * product (keys) or its values. A row's arithmetic does not depend on which rows share its
+ * AVX-512) from registers, each value row read once for all of them. An int8 row's scale
+ * multiplies its dot product (keys) or its values; int8 and float16 keys are widened to floats
+ * 8 at a time before their dot products. A row's arithmetic does not depend on which rows share its
  * pass (a key past a row's own gets weight 0), so a verify row gets the numbers its token
- * would get alone. `scores`: ATTEND_ROWS * (k1 - k0 rounded up to 8) floats. `int8` is a
- * constant at each call: the compiler makes one copy per cache type. */
+ * would get alone. `scores`: ATTEND_ROWS * (k1 - k0 rounded up to 8) floats. */
 static inline __attribute__((always_inline)) void attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv,
                                                                int kvh, int g, int group, int hd, int bs, float scale,
                                                                const int64_t *block_table, int64_t p0, int n,
                                                                int64_t k0, int64_t k1, float *scores, float *part,
-                                                               const int int8) {
+                                                               const int kind) {
     static const float zero_key[MAX_HEAD_DIM];
-    float key_floats[8 * MAX_HEAD_DIM]; /* 8 int8 keys as floats */
+    float key_floats[8 * MAX_HEAD_DIM]; /* 8 int8 or float16 keys as floats */
     const int rows = n * group;
     const int64_t width = (k1 - k0 + 7) / 8 * 8;
     for (int r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
@@ -154,10 +157,14 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
                 }
                 const int64_t row = (block_table[block] * bs + offset) * kvh + g;
                 if (++offset == bs) offset = 0, block++;
-                if (int8) {
+                if (kind == NLS_KV_INT8) {
                     for (int i = 0; i < hd; i += 8)
                         _mm256_storeu_ps(key_floats + c * hd + i, load_i8x8((const int8_t *)kv->k + row * hd + i));
                     keys[c] = key_floats + c * hd, key_scale[c] = kv->k_scale[row] * scale;
+                } else if (kind == NLS_KV_F16) {
+                    for (int i = 0; i < hd; i += 8)
+                        _mm256_storeu_ps(key_floats + c * hd + i, load_f16x8((const uint16_t *)kv->k + row * hd + i));
+                    keys[c] = key_floats + c * hd, key_scale[c] = scale;
                 } else {
                     keys[c] = (const float *)kv->k + row * hd, key_scale[c] = scale;
                 }
@@ -188,7 +195,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
         }
 #if defined(__AVX512F__)
         if (hd % 64 == 0)
-            weighted_values_512(kv, kvh, g, hd, bs, block_table, k0, last, scores, width, nr, part + (int64_t)r0 * (hd + 2), int8);
+            weighted_values_512(kv, kvh, g, hd, bs, block_table, k0, last, scores, width, nr, part + (int64_t)r0 * (hd + 2), kind);
         else
 #endif
         for (int d0 = 0; d0 < hd; d0 += 16) {
@@ -199,11 +206,15 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
                 const int64_t row = (block_table[block] * bs + offset) * kvh + g;
                 if (++offset == bs) offset = 0, block++;
                 __m256 v0, v1 = _mm256_setzero_ps();
-                if (int8) {
+                if (kind == NLS_KV_INT8) {
                     const int8_t *v = (const int8_t *)kv->v + row * hd + d0;
                     const __m256 vs = _mm256_set1_ps(kv->v_scale[row]);
                     v0 = _mm256_mul_ps(load_i8x8(v), vs);
                     if (pair) v1 = _mm256_mul_ps(load_i8x8(v + 8), vs);
+                } else if (kind == NLS_KV_F16) {
+                    const uint16_t *v = (const uint16_t *)kv->v + row * hd + d0;
+                    v0 = load_f16x8(v);
+                    if (pair) v1 = load_f16x8(v + 8);
                 } else {
                     const float *v = (const float *)kv->v + row * hd + d0;
                     v0 = _mm256_loadu_ps(v);
@@ -236,9 +247,11 @@ void nls_attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv, 
                       int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t k0, int64_t k1,
                       float *scores, float *part) {
     if (kv->dtype == NLS_KV_INT8)
-        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, 1);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, NLS_KV_INT8);
+    else if (kv->dtype == NLS_KV_F16)
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, NLS_KV_F16);
     else
-        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, 0);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, NLS_KV_F32);
 }
 
 /* One query row's output from its partials over `chunks` chunks (`nls_attend_chunk`'s, hd + 2
@@ -286,7 +299,7 @@ void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, in
  * group rows in all (query row i * group + j is token i's head j, at q + i * q_stride + j *
  * hd; its output at out + i * out_stride + j * hd), and row i sees keys < p0 + i + 1
  * (causal). The products run as small matrix products, which a per-token loop cannot: 8 keys
- * at a time are transposed (an int8 row dequantized) into `kt` [hd][8], and 8 rows at a time
+ * at a time are transposed (an int8 or float16 row widened to floats) into `kt` [hd][8], and 8 rows at a time
  * take their 8 scores as one vector (8 accumulators, no horizontal sum per key); the values
  * are weighted for 6 rows at a time, 16 of their dimensions per pass, each value row read
  * once for 6 rows. `scores`: TILE_ROWS(group) * (p0 + n rounded up to 8) floats; `kt`: hd * 8
@@ -295,7 +308,7 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
                                                               int kvh, int g, int group, int hd, int bs, float scale,
                                                               const int64_t *block_table, int64_t p0, int n,
                                                               float *scores, float *kt, float *out, int64_t out_stride,
-                                                              const int int8) {
+                                                              const int kind) {
     const int rows = n * group, padded_rows = (rows + 7) / 8 * 8;
     const int64_t ctx = p0 + n, width = (ctx + 7) / 8 * 8;
     const float *qr[SPAN_TILE_ROWS_MAX];
@@ -312,10 +325,13 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
                 continue;
             }
             const int64_t t = k0 + c, row = (block_table[t / bs] * bs + t % bs) * kvh + g;
-            if (int8) {
+            if (kind == NLS_KV_INT8) {
                 const int8_t *k = (const int8_t *)kv->k + row * hd;
                 const float ks = kv->k_scale[row] * scale;
                 for (int d = 0; d < hd; d++) kt[d * 8 + c] = (float)k[d] * ks;
+            } else if (kind == NLS_KV_F16) {
+                const uint16_t *k = (const uint16_t *)kv->k + row * hd;
+                for (int d = 0; d < hd; d++) kt[d * 8 + c] = _cvtsh_ss(k[d]) * scale;
             } else {
                 const float *k = (const float *)kv->k + row * hd;
                 for (int d = 0; d < hd; d++) kt[d * 8 + c] = k[d] * scale;
@@ -353,7 +369,7 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
         }
         for (; t < width; t++) row[t] = 0.0f;
         inv_sum[r] = 1.0f / sum;
-        if (int8)
+        if (kind == NLS_KV_INT8)
             for (int64_t u = 0; u < own; u++)
                 row[u] *= kv->v_scale[(block_table[u / bs] * bs + u % bs) * kvh + g];
     }
@@ -366,10 +382,14 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
             for (int64_t t = 0; t < last; t++) {
                 const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
                 __m256 v0, v1;
-                if (int8) {
+                if (kind == NLS_KV_INT8) {
                     const int8_t *v = (const int8_t *)kv->v + row * hd + d0;
                     v0 = load_i8x8(v);
                     v1 = hd - d0 >= 16 ? load_i8x8(v + 8) : _mm256_setzero_ps();
+                } else if (kind == NLS_KV_F16) {
+                    const uint16_t *v = (const uint16_t *)kv->v + row * hd + d0;
+                    v0 = load_f16x8(v);
+                    v1 = hd - d0 >= 16 ? load_f16x8(v + 8) : _mm256_setzero_ps();
                 } else {
                     const float *v = (const float *)kv->v + row * hd + d0;
                     v0 = _mm256_loadu_ps(v);
@@ -400,9 +420,11 @@ void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, i
                      int bs, float scale, const int64_t *block_table, int64_t p0, int n, float *scores, float *kt,
                      float *out, int64_t out_stride) {
     if (kv->dtype == NLS_KV_INT8)
-        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, 1);
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, NLS_KV_INT8);
+    else if (kv->dtype == NLS_KV_F16)
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, NLS_KV_F16);
     else
-        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, 0);
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, NLS_KV_F32);
 }
 
 /* ------------------------------------------------ public: attention of decode tokens -- */
@@ -469,27 +491,19 @@ static int paged_decode_attention(const float *q, const nls_kv_cache *kv, int64_
     return 0;
 }
 
-/* `paged_decode_attention` over float32 K/V [blocks, block_size, kv_heads, head_dim]. */
-int nls_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                               int64_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                               int32_t block_size, int64_t num_blocks, float scale, const int64_t *block_tables,
-                               int64_t table_width, const int64_t *context_lens, float *out,
-                               void *workspace, int64_t workspace_bytes, int num_threads) {
-    const nls_kv_cache kv = {k_cache, v_cache, NULL, NULL, NLS_KV_F32};
-    return paged_decode_attention(q, &kv, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                                  block_tables, table_width, context_lens, out, workspace, workspace_bytes, num_threads);
-}
-
-/* `paged_decode_attention` over int8 K/V codes [blocks, block_size, kv_heads, head_dim] and
- * their float scales [blocks, block_size, kv_heads]; NLS_BAD_SHAPE without the scales. */
-int nls_paged_decode_attention_int8(const float *q, const int8_t *k_cache, const int8_t *v_cache,
-                                    const float *k_scale, const float *v_scale, int64_t num_seqs, int32_t num_heads,
-                                    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int64_t num_blocks,
-                                    float scale, const int64_t *block_tables, int64_t table_width,
-                                    const int64_t *context_lens, float *out, void *workspace, int64_t workspace_bytes,
-                                    int num_threads) {
-    if (k_scale == NULL || v_scale == NULL) return NLS_BAD_SHAPE;
-    const nls_kv_cache kv = {k_cache, v_cache, k_scale, v_scale, NLS_KV_INT8};
+/* `paged_decode_attention` over one layer's K/V [blocks, block_size, kv_heads, head_dim] of
+ * `kv_dtype` (NLS_KV_F32, NLS_KV_F16, or NLS_KV_INT8 with their float scales `k_scale` /
+ * `v_scale` [blocks, block_size, kv_heads]); NLS_BAD_SHAPE for another type or int8 without
+ * the scales. */
+int nls_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                               const float *v_scale, int32_t kv_dtype, int64_t num_seqs, int32_t num_heads,
+                               int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int64_t num_blocks,
+                               float scale, const int64_t *block_tables, int64_t table_width,
+                               const int64_t *context_lens, float *out, void *workspace, int64_t workspace_bytes,
+                               int num_threads) {
+    if (kv_dtype != NLS_KV_F32 && kv_dtype != NLS_KV_F16 && kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
+    if (kv_dtype == NLS_KV_INT8 && (k_scale == NULL || v_scale == NULL)) return NLS_BAD_SHAPE;
+    const nls_kv_cache kv = {k_cache, v_cache, k_scale, v_scale, kv_dtype};
     return paged_decode_attention(q, &kv, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
                                   block_tables, table_width, context_lens, out, workspace, workspace_bytes, num_threads);
 }

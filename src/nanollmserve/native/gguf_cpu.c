@@ -519,7 +519,7 @@ typedef struct {
     int32_t lm_head_kind; /* KIND_Q4 / KIND_Q8, or 0: write the final normed hidden state */
     int32_t max_context;
     int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
-    int32_t kv_dtype;     /* NLS_KV_F32 or NLS_KV_INT8 (native.h) */
+    int32_t kv_dtype;     /* NLS_KV_F32, NLS_KV_F16 or NLS_KV_INT8 (native.h) */
     int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; KIND_Q8: tiled Q8 rows (lm_head's layout) */
     float eps, attn_scale;
     const void *embed;       /* the input embedding table, as `embed_kind` says */
@@ -603,6 +603,14 @@ static void store_kv(const nls_model *m, const nls_layer *L, int64_t slot, const
         }
         return;
     }
+    if (m->kv_dtype == NLS_KV_F16) { /* kv_size is a multiple of 8: head_dim is */
+        uint16_t *kh = (uint16_t *)L->k_cache + slot * kv_size, *vh = (uint16_t *)L->v_cache + slot * kv_size;
+        for (int64_t i = 0; i < kv_size; i += 8) {
+            _mm_storeu_si128((__m128i *)(kh + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(vh + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+        }
+        return;
+    }
     memcpy((float *)L->k_cache + slot * kv_size, k, sizeof(float) * (size_t)kv_size);
     memcpy((float *)L->v_cache + slot * kv_size, v, sizeof(float) * (size_t)kv_size);
 }
@@ -673,7 +681,7 @@ static int64_t attend_units(const nls_model *m, const int64_t *positions, const 
  * them at a third of the memory's bandwidth: with this, that run's attention took 5.6 s
  * instead of 7.9-8.4 (stop 34). */
 static void prefetch_keys(const nls_model *m, const nls_layer *L, const int64_t *table, int64_t k0, int64_t k1) {
-    const int64_t row_bytes = (int64_t)m->num_kv_heads * m->head_dim * (m->kv_dtype == NLS_KV_INT8 ? 1 : (int64_t)sizeof(float));
+    const int64_t row_bytes = (int64_t)m->num_kv_heads * m->head_dim * kv_element_bytes(m->kv_dtype);
     for (int64_t t0 = k0; t0 < k1;) {
         const int64_t in_block = m->block_size - t0 % m->block_size;
         const int64_t n = k1 - t0 < in_block ? k1 - t0 : in_block;
@@ -783,7 +791,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
         return NLS_BAD_SHAPE;
     for (int64_t r = 0; r < num_logits; r++)
         if (logit_rows[r] < 0 || logit_rows[r] >= T) return NLS_BAD_SHAPE;
-    if (m->kv_dtype != NLS_KV_F32 && m->kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
+    if (m->kv_dtype != NLS_KV_F32 && m->kv_dtype != NLS_KV_F16 && m->kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
     if ((m->embed_kind != 0 && m->embed_kind != KIND_Q8) || (m->embed_kind == KIND_Q8 && m->hidden % QK))
         return NLS_BAD_SHAPE;
     for (int l = 0; l < m->num_layers && m->kv_dtype == NLS_KV_INT8; l++)
@@ -955,6 +963,7 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
         ABI_CONSTANT(MAX_HEAD_DIM), ABI_CONSTANT(NLS_PHASES),
         ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),
         ABI_CONSTANT(NLS_BAD_BLOCK), ABI_CONSTANT(NLS_BAD_SHAPE), ABI_CONSTANT(NLS_KV_F32), ABI_CONSTANT(NLS_KV_INT8),
+        ABI_CONSTANT(NLS_KV_F16),
         {"sizeof(nls_layer)", (int64_t)sizeof(nls_layer)},
         ABI_OFFSET(nls_layer, qkv_kind), ABI_OFFSET(nls_layer, o_kind), ABI_OFFSET(nls_layer, gate_up_kind),
         ABI_OFFSET(nls_layer, down_kind), ABI_OFFSET(nls_layer, qkv), ABI_OFFSET(nls_layer, o),

@@ -1,6 +1,7 @@
 /* Shared by the native CPU sources (built by nanollmserve/native/build.py): the status codes
  * of the entry points, small AVX2 vector helpers, the paged K/V cache as attention reads it
- * (float32, or int8 codes with a float scale per token and KV head: `--kv-cache-dtype int8`),
+ * (float32, float16, or int8 codes with a float scale per token and KV head:
+ * `--kv-cache-dtype`),
  * and the attention of one query head over a sequence's paged K/V (attention_cpu.c), which the
  * decode step calls too. */
 #ifndef NLS_NATIVE_H
@@ -44,9 +45,14 @@ void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, 
 #define MAX_HEAD_DIM 256
 
 /* The KV cache's element types (`kv_dtype`). An int8 row (one token's K or V of one KV head)
- * is `head_dim` codes and one float scale: x ~= scale * code. */
+ * is `head_dim` codes and one float scale: x ~= scale * code. A float16 row is IEEE halves
+ * (F16C converts them: every AVX2 CPU has it), written rounded to nearest even like PyTorch's
+ * cast. */
 #define NLS_KV_F32 0
 #define NLS_KV_INT8 1
+#define NLS_KV_F16 2
+
+static inline int64_t kv_element_bytes(int dtype) { return dtype == NLS_KV_F32 ? 4 : dtype == NLS_KV_F16 ? 2 : 1; }
 
 /* ---------------------------------------------------------------- small vector helpers -- */
 
@@ -97,6 +103,9 @@ static inline __m256 load_i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* 8 halves -> 8 floats. */
+static inline __m256 load_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
 /* sum a[i] * b[i] over float a and int8 codes b, n a multiple of 8. */
 static inline float dot_f32_i8(const float *a, const int8_t *b, int n) {
     __m256 acc = _mm256_setzero_ps();
@@ -105,8 +114,8 @@ static inline float dot_f32_i8(const float *a, const int8_t *b, int n) {
 }
 
 /* One layer's paged K/V: `k` and `v` [blocks, block_size, kv_heads, head_dim] of `dtype`
- * (NLS_KV_F32: float; NLS_KV_INT8: int8 codes, and `k_scale` / `v_scale` [blocks,
- * block_size, kv_heads] their float scales; NULL for float32). */
+ * (NLS_KV_F32: float; NLS_KV_F16: IEEE halves; NLS_KV_INT8: int8 codes, and `k_scale` /
+ * `v_scale` [blocks, block_size, kv_heads] their float scales; NULL for the float types). */
 typedef struct {
     const void *k, *v;
     const float *k_scale, *v_scale;

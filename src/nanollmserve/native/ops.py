@@ -43,8 +43,9 @@ _STATUS_NAMES = (
 )  # fmt: skip
 NLS_KV_F32 = 0
 NLS_KV_INT8 = 1
+NLS_KV_F16 = 2
 """The KV cache element types the attention reads (native.h; `nls_model.kv_dtype`)."""
-KV_DTYPE_CODES = {torch.float32: NLS_KV_F32, torch.int8: NLS_KV_INT8}
+KV_DTYPE_CODES = {torch.float32: NLS_KV_F32, torch.int8: NLS_KV_INT8, torch.float16: NLS_KV_F16}
 
 _i32, _i64, _int, _float, _ptr = (
     ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
@@ -188,14 +189,8 @@ def gguf_matmul(
 _signature("nls_paged_decode_attention_workspace_bytes", [_i32, _i32, _i64, _int], _i64)
 _signature(
     "nls_paged_decode_attention",
-    [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i64, _float, _ptr, _i64, _ptr, _ptr,
-     _ptr, _i64, _int],
-    _int,
-)  # fmt: skip
-_signature(
-    "nls_paged_decode_attention_int8",
-    [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i64, _float, _ptr, _i64, _ptr,
-     _ptr, _ptr, _i64, _int],
+    [_ptr, _ptr, _ptr, _ptr, _ptr, _i32, _i64, _i32, _i32, _i32, _i32, _i64, _float, _ptr, _i64,
+     _ptr, _ptr, _ptr, _i64, _int],
     _int,
 )  # fmt: skip
 _ATTENTION_REFUSALS = {
@@ -219,12 +214,18 @@ def paged_decode_attention(
     """q [seqs, heads, head_dim] (float32) -> the same shape: each sequence attends to its
     first context_lens[s] keys (int64 [seqs]) through its row of `block_tables` (int64
     [seqs, width]), read in place from the paged caches (contiguous, [blocks, block_size,
-    kv_heads, head_dim]: float32, or int8 codes with `k_scale` / `v_scale`, their float32
-    scales [blocks, block_size, kv_heads], `layers/kv_quant.py`). The C checks every length
-    and block id it reads through (no host sync here) and its refusals are ValueErrors."""
+    kv_heads, head_dim]: float32, float16, or int8 codes with `k_scale` / `v_scale`, their
+    float32 scales [blocks, block_size, kv_heads], `layers/kv_quant.py`). The C checks every
+    length and block id it reads through (no host sync here) and its refusals are
+    ValueErrors."""
     op = "native paged decode attention"
     _check_tensor(op, "q", q, torch.float32, 3)
-    cache_dtype = torch.int8 if k_scale is not None else torch.float32
+    if k_scale is not None:
+        cache_dtype = torch.int8
+    elif k_cache.dtype == torch.float16:
+        cache_dtype = torch.float16
+    else:
+        cache_dtype = torch.float32
     _check_tensor(op, "k_cache", k_cache, cache_dtype, 4)
     _check_tensor(op, "v_cache", v_cache, cache_dtype, 4)
     if cache_dtype == torch.int8:
@@ -280,13 +281,11 @@ def paged_decode_attention(
         tables.data_ptr(), table_width, lens.data_ptr(), out.data_ptr(), workspace.data_ptr(),
         workspace.numel(), threads,
     )  # fmt: skip
-    caches = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
-    if cache_dtype == torch.int8:
-        status = library.nls_paged_decode_attention_int8(
-            *caches, k_scale.data_ptr(), v_scale.data_ptr(), *shapes
-        )
-    else:
-        status = library.nls_paged_decode_attention(*caches, *shapes)
+    scales = (k_scale.data_ptr(), v_scale.data_ptr()) if k_scale is not None else (None, None)
+    status = library.nls_paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *scales, KV_DTYPE_CODES[cache_dtype],
+        *shapes,
+    )  # fmt: skip
     _raise_for(status, op, _ATTENTION_REFUSALS)
     return out
 
@@ -479,6 +478,7 @@ def expected_abi() -> dict[str, int]:
         "NLS_PHASES": len(DECODE_PHASES),
         "NLS_KV_F32": NLS_KV_F32,
         "NLS_KV_INT8": NLS_KV_INT8,
+        "NLS_KV_F16": NLS_KV_F16,
         **{name: globals()[name] for name in _STATUS_NAMES},
     }
     for c_name, structure in (("nls_layer", _Layer), ("nls_model", _Model)):
