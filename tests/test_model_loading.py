@@ -437,7 +437,13 @@ def test_info_on_bundled_model(bundled_source) -> None:
     assert facts["vocab size"] == "49152"
     assert facts["max context"] == "8192"
     assert facts["dtype"] in ("float32", "bfloat16", "float16")
+    if facts["device"] == "cpu":  # the GGUF blocks: float32 math, a float16 KV cache
+        assert facts["dtype"] == "float32"
+        assert facts["kv cache"] == "23,040 bytes per token (float16)"
     assert "bundled GGUF SmolLM2-135M-Instruct.Q4_1.gguf" in facts["weights"]
+    dense = run_cli("info", "--dtype", "float32", "--device", "cpu")
+    assert dense.returncode == 0, dense.stderr
+    assert "46,080 bytes per token (float32)" in dense.stdout  # dequantized: the model's dtype
 
 
 def _gpt2_dir(tmp_path: Path) -> Path:

@@ -29,7 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nanollmserve.config import EngineConfig
+    from nanollmserve.engine.model_loading import quantization_dtype, resolve_quantization
     from nanollmserve.errors import UserError
+    from nanollmserve.layers.kv_quant import kv_cache_storage_dtype, resolve_kv_cache_dtype
+    from nanollmserve.layers.quantization import COMPUTE_DTYPES
     from nanollmserve.model import (
         ModelConfig,
         build_model,
@@ -47,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     source = resolve_model(args.model_pos or args.model)
     config = ModelConfig.from_pretrained(source.path)
+    # the dtypes `serve` would run with its defaults: the GGUF blocks compute in float32 and
+    # keep a float16 KV cache (--kv-cache-dtype auto)
+    engine = EngineConfig(model=args.model_pos or args.model, dtype=args.dtype, device=args.device)
+    quantization = resolve_quantization(engine, source, device)
+    if quantization in COMPUTE_DTYPES:
+        dtype = quantization_dtype(engine, quantization, dtype)
+    kv_dtype = kv_cache_storage_dtype(resolve_kv_cache_dtype("auto", quantization), dtype)
     num_params = count_parameters(build_model(config))
     files = checkpoint_files(source.path)
     size_mb = sum(f.stat().st_size for f in files) / 1e6
@@ -69,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
         ("eos token ids", ", ".join(map(str, config.eos_token_ids)) or "-"),
         ("dtype", dtype_name(dtype)),
         ("device", str(device)),
-        ("kv cache", f"{config.kv_bytes_per_token(dtype):,} bytes per token"),
+        (
+            "kv cache",
+            f"{config.kv_bytes_per_token(kv_dtype):,} bytes per token ({dtype_name(kv_dtype)})",
+        ),
         ("checkpoint", f"{len(files)} safetensors file(s), {size_mb:,.1f} MB"),
         ("weights", source.description),
         ("versions", _versions()),
