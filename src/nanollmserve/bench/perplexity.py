@@ -184,41 +184,25 @@ def cached_engine_scorer(model, device, kv_cache_dtype: str, dtype) -> Scorer:
     """The engine's model forward over one window, `CACHE_CHUNK` tokens at a time, each chunk
     writing its K/V into a paged cache of `kv_cache_dtype` (`layers/kv_quant.py`; the model's
     dtype is `dtype`) and attending to all of the window's keys so far, its own included,
-    read back from that cache: what a decode step or a later prefill chunk reads. The cache is
-    bound to the model's attention layers for the window, then unbound."""
+    read back from that cache: what a decode step or a later prefill chunk reads. The pool
+    is the engine's own (`ModelRunner`), made for the window and released after it."""
     import torch
 
-    from nanollmserve.layers.attention import PagedAttention
+    from nanollmserve.engine.model_runner import ModelRunner
     from nanollmserve.layers.attention_context import (
         AttentionContext,
         PrefillSpan,
         reset_context,
         set_context,
     )
-    from nanollmserve.layers.kv_quant import SCALE_DTYPE, is_quantized, kv_cache_storage_dtype
-
-    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    storage = kv_cache_storage_dtype(kv_cache_dtype, dtype)
-
-    def bind(num_blocks: int) -> None:
-        for layer in layers:
-            shape = (num_blocks, CACHE_BLOCK, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=storage, device=device)
-            layer.v_cache = torch.zeros(shape, dtype=storage, device=device)
-            if is_quantized(storage):
-                layer.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
-                layer.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
-
-    def unbind() -> None:
-        for layer in layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
-            layer.k_scale = layer.v_scale = None
 
     def hidden(window_ids, first_row: int, last_row: int):
         n = len(window_ids)
         num_blocks = -(-n // CACHE_BLOCK)
+        runner = ModelRunner(
+            model, num_blocks, CACHE_BLOCK, device, dtype, kv_cache_dtype=kv_cache_dtype
+        )
         block_ids = torch.arange(num_blocks, device=device)
-        bind(num_blocks)
         outs = []
         try:
             for start in range(0, n, CACHE_CHUNK):
@@ -229,7 +213,7 @@ def cached_engine_scorer(model, device, kv_cache_dtype: str, dtype) -> Scorer:
                 outs.append(model(window_ids[start:end].to(device), positions))
         finally:
             reset_context()
-            unbind()
+            runner.release_kv_cache()
         return torch.cat(outs)[first_row:last_row]
 
     return Scorer(hidden, lambda rows: model.compute_logits(rows).cpu())

@@ -92,8 +92,7 @@ class Sampler:
             raw_logprobs.nan_to_num_(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
         constrained = self._apply_constraints(logits, meta)
 
-        greedy = meta.all_greedy
-        token_ids = argmax_rows(constrained) if greedy else self._sample(constrained, meta)
+        token_ids = argmax_rows(constrained) if meta.all_greedy else self._sample(constrained, meta)
         token_ids = _with_fallback(token_ids, constrained, logits)
 
         out = SamplerOutput(token_ids=token_ids)
