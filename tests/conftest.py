@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["compat_evidence"]  # the compat matrix's evidence (compat_evidence.py)
+
 # ---------------------------------------------------------------------------------------------
 # Milestone plugin (keep small; see docs/MILESTONES_GUIDE.md, "The marker rule")
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """A real `nanollmserve serve` subprocess for the server tests (not a test module).
 
-`shared_server()` starts the one server most test modules share (bundled model, float32,
-an API key, a small KV pool and queue) the first time it is asked for and stops it when the
-test session ends; `LiveServer.start(...)` starts a private one (fuzzing, shutdown tests).
-The server's log goes to a temp file that a failing test can print.
+`shared_server()` starts the one server most test modules share (the bundled model on the
+default flags, as users run it: GGUF blocks, the native step, float16 K/V; an API key, a
+small KV pool and queue) the first time it is asked for and stops it when the test session
+ends; `LiveServer.start(...)` starts a private one (fuzzing, shutdown tests). Neither adds a
+flag beyond the port: a test that needs dense float32 weights (an exact comparison with an
+offline float32 `LLM`, say) passes `--dtype float32` itself and says why. The server's log
+goes to a temp file that a failing test can print.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class LiveServer:
         env.pop("NANOLLMSERVE_API_KEY", None)
         if api_key:
             env["NANOLLMSERVE_API_KEY"] = api_key
-        command = [sys.executable, "-m", "nanollmserve.cli.main", "serve", "--dtype", "float32"]
+        command = [sys.executable, "-m", "nanollmserve.cli.main", "serve"]
         command += ["--port", str(port), *args]
         process = subprocess.Popen(command, stdout=log_fd, stderr=subprocess.STDOUT, env=env)
         os.close(log_fd)

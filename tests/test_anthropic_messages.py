@@ -198,7 +198,7 @@ def _validated_input(block) -> dict:
     return block.input
 
 
-def test_a_forced_tool_gives_a_tool_use_block(client):
+def test_a_forced_tool_gives_a_tool_use_block(client, compat):
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
         kwargs = dict(
@@ -209,6 +209,8 @@ def test_a_forced_tool_gives_a_tool_use_block(client):
         [block] = message.content
         arguments = _validated_input(block)
         assert message.stop_reason == "tool_use"
+        compat.exercised("messages", message=message)
+        compat.exercised("structured", output=block.input, schema=WEATHER_SCHEMA)
         with client.messages.stream(**kwargs) as stream:
             partial = [
                 e.delta.partial_json
@@ -390,11 +392,14 @@ def router(server):
     router.stop()
 
 
-def test_the_router_forwards_both_routes(router, client):
+def test_the_router_forwards_both_routes(router, client, compat):
     through = _client(router.url)
     kwargs = dict(model=MODEL, max_tokens=12, messages=HELLO, extra_body=GREEDY)
     direct = client.messages.create(**kwargs)
-    assert _text(through.messages.create(**kwargs)) == _text(direct)
+    routed = through.messages.create(**kwargs)
+    assert _text(routed) == _text(direct)
+    compat.exercised("messages", message=routed)
+    compat.exercised("router", routed=router.stats()["workers"][0]["num_routed"])
     with through.messages.stream(**kwargs) as stream:
         assert _text(stream.get_final_message()) == _text(direct)
     counted = through.messages.count_tokens(model=MODEL, messages=HELLO)
@@ -430,7 +435,7 @@ def reasoning_server(tmp_path_factory):
     server.stop()
 
 
-def test_reasoning_comes_back_as_a_thinking_block(reasoning_server):
+def test_reasoning_comes_back_as_a_thinking_block(reasoning_server, compat):
     from reasoning_model import ANSWER, THINKING
 
     client = _client(reasoning_server.url)
@@ -439,6 +444,8 @@ def test_reasoning_comes_back_as_a_thinking_block(reasoning_server):
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == THINKING and message.content[1].text == ANSWER
     assert message.stop_reason == "end_turn"
+    compat.exercised("messages", message=message)
+    compat.exercised("reasoning", reasoning_content=message.content[0].thinking)
     with client.messages.stream(**kwargs, extra_body=GREEDY) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,9 @@ pytestmark = [pytest.mark.milestone("m21"), pytest.mark.timeout(300)]
 needs_kernels = pytest.mark.skipif(
     cpu_supports_kernels() is not None, reason=f"no native kernels: {cpu_supports_kernels()}"
 )
-needs_root = pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+needs_root = pytest.mark.skipif(
+    os.getuid() != 0, reason="chown to another user needs root (CI runs as root)"
+)
 OTHER_UID = 65534  # nobody
 
 PLANTED_LIBRARY = r"""
@@ -69,8 +72,10 @@ def test_a_fresh_cache_is_private_even_with_a_loose_umask(tmp_path: Path) -> Non
     assert mode(library) & 0o077 == 0
 
 
-@needs_kernels
-def test_a_library_another_user_could_write_is_never_loaded(tmp_path: Path) -> None:
+def plant_library(tmp_path: Path) -> tuple[Path, Callable[[str], None]]:
+    """A library of our own, in the cache where the kernels would be built (whose loading
+    leaves a marker file), and `refused(expected)`: a fresh process refuses it with
+    `expected` in its reason, and never loads it."""
     cache, marker = tmp_path / "cache", tmp_path / "planted-library-ran"
     library = Path(
         run_python(
@@ -86,6 +91,10 @@ def test_a_library_another_user_could_write_is_never_loaded(tmp_path: Path) -> N
     source.write_text(PLANTED_LIBRARY)
     cc = os.environ.get("CC", "cc")
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    # The control: loading it does leave the marker, so its absence below means something.
+    control = tmp_path / "control-marker"
+    run_python(f"import ctypes; ctypes.CDLL({str(library)!r})", cache, PLANTED_MARKER=str(control))
+    assert control.exists(), "the planted library leaves no marker when it is loaded"
     probe = (
         "from nanollmserve.native.build import kernels_unavailable_reason, load_kernels\n"
         "assert load_kernels() is None\n"
@@ -97,20 +106,29 @@ def test_a_library_another_user_could_write_is_never_loaded(tmp_path: Path) -> N
         assert "refusing to use the cache path" in reason and expected in reason, reason
         assert not marker.exists(), "the planted library was loaded"
 
+    return library, refused
+
+
+@needs_kernels
+def test_a_library_another_user_could_write_is_never_loaded(tmp_path: Path) -> None:
+    library, refused = plant_library(tmp_path)
     os.chmod(library.parent, 0o777)
     refused(f"{library.parent}: it is writable by group or others")
     os.chmod(library.parent, 0o700)
     os.chmod(library, 0o666)
     refused(f"{library}: it is writable by group or others")
-    os.chmod(library, 0o700)
-    if os.getuid() == 0:
-        os.chown(library, OTHER_UID, OTHER_UID)
-        refused(f"{library}: it is owned by another user")
 
 
-def test_gguf_entries_are_private_and_untrusted_ones_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@needs_kernels
+@needs_root
+def test_a_library_owned_by_another_user_is_never_loaded(tmp_path: Path) -> None:
+    library, refused = plant_library(tmp_path)
+    os.chown(library, OTHER_UID, OTHER_UID)
+    refused(f"{library}: it is owned by another user")
+
+
+def gguf_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
+    """(cache, entry, weights): a tiny GGUF converted, and loaded once, under a loose umask."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("NANOLLMSERVE_CACHE", str(cache))
     old_umask = os.umask(0o002)
@@ -118,23 +136,35 @@ def test_gguf_entries_are_private_and_untrusted_ones_refused(
         entry = resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf"))).path
     finally:
         os.umask(old_umask)
-    assert mode(cache) == mode(cache / "gguf") == mode(entry) == 0o700
-    assert all(mode(path) & 0o077 == 0 for path in entry.rglob("*"))
-    assert resolve_model(str(tmp_path / "tiny.gguf")).path == entry  # trusted: reused
-
     # The dense weights are added to the entry by the first load that needs them.
     load_model(entry, ModelConfig.from_pretrained(entry), torch.float32, torch.device("cpu"))
-    weights = entry / "model.safetensors"
+    return cache, entry, entry / "model.safetensors"
+
+
+def test_gguf_entries_are_private_and_untrusted_ones_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, entry, weights = gguf_entry(tmp_path, monkeypatch)
+    assert mode(cache) == mode(cache / "gguf") == mode(entry) == 0o700
+    assert all(mode(path) & 0o077 == 0 for path in entry.rglob("*"))
     assert mode(weights) & 0o077 == 0
+    assert resolve_model(str(tmp_path / "tiny.gguf")).path == entry  # trusted: reused
     for path, loose in ((entry, 0o777), (weights, 0o666), (cache / "gguf", 0o770)):
         os.chmod(path, loose)
         with pytest.raises(UntrustedCacheError, match="writable by group or others"):
             resolve_model(str(tmp_path / "tiny.gguf"))
         os.chmod(path, 0o700 if path.is_dir() else 0o600)
-    if os.getuid() == 0:
-        os.chown(weights, OTHER_UID, OTHER_UID)
-        with pytest.raises(UntrustedCacheError, match="owned by another user"):
-            resolve_model(str(tmp_path / "tiny.gguf"))
+    assert resolve_model(str(tmp_path / "tiny.gguf")).path == entry  # trusted again
+
+
+@needs_root
+def test_a_gguf_entry_owned_by_another_user_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, weights = gguf_entry(tmp_path, monkeypatch)
+    os.chown(weights, OTHER_UID, OTHER_UID)
+    with pytest.raises(UntrustedCacheError, match="owned by another user"):
+        resolve_model(str(tmp_path / "tiny.gguf"))
 
 
 def test_a_gguf_edited_in_the_middle_is_a_new_cache_entry(

@@ -124,7 +124,7 @@ def _stream(url: str, prompt: str) -> tuple[list[int], str]:
     return tokens, text
 
 
-def test_greedy_output_through_pd_equals_a_colocated_server(cluster, colocated) -> None:
+def test_greedy_output_through_pd_equals_a_colocated_server(cluster, colocated, compat) -> None:
     roles = [w["kv_role"] for w in cluster.stats()["workers"]]
     assert roles == ["prefill", "decode"]
     phase_ones = _metric(cluster, LATENCY_COUNT)
@@ -143,19 +143,29 @@ def test_greedy_output_through_pd_equals_a_colocated_server(cluster, colocated) 
         assert got["text"] == expected["text"]
         # New to the decode worker: its cached tokens came from the store.
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, prompt
+        compat.exercised(
+            "offload", loaded_tokens=answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        )
+        compat.exercised("tokenio", token_ids=got["token_ids"])
     for prompt, expected in zip(STREAMED, references[len(NON_STREAMED) :], strict=True):
         tokens, text = _stream(cluster.url, prompt)
         assert tokens == expected["token_ids"] and text == expected["text"]
     assert _metric(cluster, LATENCY_COUNT) == phase_ones + len(NON_STREAMED) + len(STREAMED)
     assert _metric(cluster, FALLBACKS) == 0
+    compat.exercised("pd", phase_1=_metric(cluster, LATENCY_COUNT) - phase_ones)
+    compat.exercised("router", routed=sum(w["num_routed"] for w in cluster.stats()["workers"]))
 
 
-def test_structured_output_through_pd(cluster) -> None:
+def test_structured_output_through_pd(cluster, compat) -> None:
     body = {"messages": [{"role": "user", "content": "Is the sea salty?"}], "max_tokens": 8}
     body["structured_outputs"] = {"choice": ["yes", "no"]}
+    phase_ones = _metric(cluster, LATENCY_COUNT)
     answer = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    compat.exercised("pd", phase_1=_metric(cluster, LATENCY_COUNT) - phase_ones)
+    content = answer.json()["choices"][0]["message"]["content"]
+    compat.exercised("structured", output=content, choice=["yes", "no"])
 
 
 def test_bench_serve_mixed_through_the_cluster(cluster) -> None:

@@ -17,6 +17,7 @@ from nanollmserve.model import resolve_model
 pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400)]
 
 BASE = "SmolLM2-135M-Instruct"
+DRAFTS = "nanollmserve:spec_decode_num_drafts_total"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
@@ -30,31 +31,47 @@ def stack():
     stack.stop()
 
 
-def test_adapter_with_speculation_gives_the_peft_greedy_tokens(stack):
+def test_adapter_with_speculation_gives_the_peft_greedy_tokens(stack, compat):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
     ids = tokenizer.encode(REPEATING_PROMPT)
+    drafts = stack.metric(DRAFTS)
     result = stack.worker.openai().completions.create(
         model="a", prompt=ids, max_tokens=24, temperature=0
     )
+    compat.exercised("spec", num_drafts=stack.metric(DRAFTS) - drafts)
     (reference,) = peft_greedy(adapter_dir(1), [ids], 24)
     assert result.choices[0].text == tokenizer.decode(reference, skip_special_tokens=True)
-    assert stack.metric("nanollmserve:spec_decode_num_drafts_total") > 0
-
-
-def test_adapter_keeps_a_json_schema(stack):
-    chat = stack.worker.openai().chat.completions.create(
-        model="a",
-        messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
-        max_tokens=24,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True},
-        },
+    base = stack.worker.openai().completions.create(
+        model=BASE, prompt=ids, max_tokens=24, temperature=0
     )
-    assert isinstance(json.loads(chat.choices[0].message.content)["ok"], bool)
+    compat.exercised("lora", output=result.choices[0].text, base=base.choices[0].text)
 
 
-def test_grpc_on_a_lora_worker_answers_with_the_base_model(stack):
+def test_adapter_keeps_a_json_schema(stack, compat):
+    def chat(model: str) -> str:
+        return (
+            stack.worker.openai()
+            .chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+                max_tokens=24,
+                temperature=0,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True},
+                },
+            )
+            .choices[0]
+            .message.content
+        )
+
+    with_adapter = chat("a")
+    assert isinstance(json.loads(with_adapter)["ok"], bool)
+    compat.exercised("structured", output=with_adapter, schema=SCHEMA)
+    compat.exercised("lora", output=with_adapter, base=chat(BASE))
+
+
+def test_grpc_on_a_lora_worker_answers_with_the_base_model(stack, compat):
     prompt = "The capital of France is"
 
     async def body(client):
@@ -65,15 +82,24 @@ def test_grpc_on_a_lora_worker_answers_with_the_base_model(stack):
     base = client.completions.create(model=BASE, prompt=prompt, max_tokens=12, temperature=0)
     adapter = client.completions.create(model="a", prompt=prompt, max_tokens=12, temperature=0)
     assert over_grpc.text == base.choices[0].text != adapter.choices[0].text
+    compat.exercised("grpc", reply=over_grpc)
+    compat.exercised("lora", output=adapter.choices[0].text, base=over_grpc.text)
 
 
-def test_router_passes_the_adapter_name_through(stack):
+def test_router_passes_the_adapter_name_through(stack, compat):
     prompt = "Write a haiku about the sea."
     direct = stack.worker.openai().completions.create(
         model="a", prompt=prompt, max_tokens=12, temperature=0
     )
-    routed = stack.router.openai().completions.create(
-        model="a", prompt=prompt, max_tokens=12, temperature=0
+    routed_before = stack.router.stats()["workers"][0]["num_routed"]
+    routed, base = (
+        stack.router.openai().completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0
+        )
+        for model in ("a", BASE)
     )
     assert routed.choices[0].text == direct.choices[0].text
     assert "a" in {model.id for model in stack.router.openai().models.list().data}
+    routed_count = stack.router.stats()["workers"][0]["num_routed"] - routed_before
+    compat.exercised("router", routed=routed_count)
+    compat.exercised("lora", output=routed.choices[0].text, base=base.choices[0].text)

@@ -15,6 +15,7 @@ reasoning parser and scheduling by priority:
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -36,14 +37,17 @@ TOKEN_IO = {"return_token_ids": True, "prompt_logprobs": 1}
 SCHEMA = {
     "type": "json_schema",
     "json_schema": {
-        "name": "ok",
+        "name": "verdict",
         "schema": {
             "type": "object",
-            "properties": {"ok": {"type": "boolean"}},
-            "required": ["ok"],
+            "properties": {"verdict": {"enum": ["yes", "no"]}},
+            "required": ["verdict"],
+            "additionalProperties": False,
         },
     },
 }
+"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
+VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,7 @@ def int8_kv(model_dir):
     server.close()
 
 
-def test_an_int8_kv_cache_thinks_answers_with_token_io_traced_and_recorded(int8_kv):
+def test_an_int8_kv_cache_thinks_answers_with_token_io_traced_and_recorded(int8_kv, compat):
     assert kv_pool(int8_kv).dtype == torch.int8
     completion = chat(int8_kv, priority=-1, **TOKEN_IO)
     assert_thinks_then_answers(completion)
@@ -118,15 +122,24 @@ def test_an_int8_kv_cache_thinks_answers_with_token_io_traced_and_recorded(int8_
     arrival = int8_kv.arrivals()[-1]
     assert arrival["prompt_token_ids"] == completion.prompt_token_ids
     assert arrival["sampling_params"]["priority"] == -1
+    compat.exercised("int8", quantization=int8_kv.engine.info.quantization)
+    compat.exercised("kvdtype", kv_cache_dtype=kv_pool(int8_kv).dtype)
+    compat.exercised("priority", recorded=arrival["sampling_params"]["priority"])
+    compat.exercised("reasoning", reasoning_content=completion.choices[0].message.reasoning_content)
+    compat.exercised("recorder", records=len(int8_kv.arrivals()))
+    compat.exercised("tokenio", token_ids=completion.prompt_token_ids)
+    compat.exercised("tracing", spans=len(int8_kv.exporter.get_finished_spans()))
 
 
-def test_an_int8_kv_cache_answers_an_anthropic_message(int8_kv):
+def test_an_int8_kv_cache_answers_an_anthropic_message(int8_kv, compat):
     reply = message(int8_kv)
     assert [block.type for block in reply.content] == ["thinking", "text"]
     assert reply.content[1].text == ANSWER
+    compat.exercised("kvdtype", kv_cache_dtype=kv_pool(int8_kv).dtype)
+    compat.exercised("messages", message=reply)
 
 
-def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(int8_kv):
+def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(int8_kv, compat):
     before = chat(int8_kv, priority=1, **TOKEN_IO)
     assert message(int8_kv).usage.cache_read_input_tokens > 0  # its prefix is in the pool
     assert post(int8_kv, "/sleep", level="2").status_code == 200
@@ -136,6 +149,7 @@ def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(
         )
         assert asleep.status_code == 503 and asleep.headers["retry-after"]
         assert asleep.json()["error"]["code"] == "engine_sleeping"
+        compat.exercised("sleep", asleep=asleep.json()["error"]["code"] == "engine_sleeping")
         with pytest.raises(anthropic.APIStatusError) as refused:
             message(int8_kv)
         assert refused.value.status_code == 503
@@ -149,10 +163,29 @@ def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(
     assert after.choices[0].token_ids == before.choices[0].token_ids
     assert after.prompt_logprobs == before.prompt_logprobs
     assert int8_kv.exporter.get_finished_spans()[-1].name == "chat tiny"
+    compat.exercised("int8", quantization=int8_kv.engine.info.quantization)
+    compat.exercised("kvdtype", kv_cache_dtype=kv_pool(int8_kv).dtype)
+    compat.exercised("messages", message=reply)
+    compat.exercised("priority", recorded=int8_kv.arrivals()[-1]["sampling_params"]["priority"])
+    compat.exercised("reasoning", reasoning_content=after.choices[0].message.reasoning_content)
+    compat.exercised("tokenio", token_ids=after.choices[0].token_ids)
+    compat.exercised("tracing", spans=len(int8_kv.exporter.get_finished_spans()))
 
 
-def test_the_int8_kv_record_with_its_sleep_replays_identically(int8_kv, tmp_path):
+def test_the_int8_kv_record_with_its_sleep_replays_identically(int8_kv, tmp_path, compat):
+    # This test sleeps the engine itself (it does not lean on the test above having run), so
+    # the record it replays holds a sleep between two requests.
+    before = chat(int8_kv, priority=2, **TOKEN_IO)
+    assert post(int8_kv, "/sleep", level="2").status_code == 200
+    assert post(int8_kv, "/wake_up").status_code == 200
+    after = chat(int8_kv, priority=2, **TOKEN_IO)
+    assert after.choices[0].token_ids == before.choices[0].token_ids
+    lines = [json.loads(line) for line in int8_kv.engine.step_record_lines()]
+    assert any(step.get("sleeps") for step in lines[1:]), "the record holds no sleep"
     replays_identically(int8_kv.replay(tmp_path / "int8-kv.jsonl"))
+    compat.exercised("recorder", records=len(lines) - 1)
+    compat.exercised("sleep", asleep=any(step.get("sleeps") for step in lines[1:]))
+    compat.exercised("kvdtype", kv_cache_dtype=kv_pool(int8_kv).dtype)
 
 
 # -- the KV offload directory, read by a restarted server -----------------------------------
@@ -181,7 +214,7 @@ def restarted(model_dir, tmp_path_factory):
     second.close()
 
 
-def test_a_restarted_int8_reasoning_server_reads_the_prefix_from_the_store(restarted):
+def test_a_restarted_int8_reasoning_server_reads_the_prefix_from_the_store(restarted, compat):
     completion = chat(restarted, priority=-1, return_token_ids=True)
     assert completion.usage.prompt_tokens_details.cached_tokens >= 32
     assert_thinks_then_answers(completion)
@@ -189,19 +222,31 @@ def test_a_restarted_int8_reasoning_server_reads_the_prefix_from_the_store(resta
     span = restarted.exporter.get_finished_spans()[-1]
     assert span.name == "chat tiny"
     assert restarted.arrivals()[-1]["sampling_params"]["priority"] == -1
+    compat.exercised("int8", quantization=restarted.engine.info.quantization)
+    compat.exercised("offload", loaded_tokens=completion.usage.prompt_tokens_details.cached_tokens)
+    compat.exercised("priority", recorded=restarted.arrivals()[-1]["sampling_params"]["priority"])
+    compat.exercised("reasoning", reasoning_content=completion.choices[0].message.reasoning_content)
+    compat.exercised("tokenio", token_ids=completion.choices[0].token_ids)
+    compat.exercised("tracing", spans=len(restarted.exporter.get_finished_spans()))
 
 
-def test_a_schema_constrained_chat_reads_the_store(restarted):
+def test_a_schema_constrained_chat_reads_the_store(restarted, compat):
     completion = chat(restarted, response_format=SCHEMA)
     assert completion.usage.prompt_tokens_details.cached_tokens > 0
-    assert completion.choices[0].message.content == ANSWER
+    content = completion.choices[0].message.content
+    assert json.loads(content) in VERDICTS, content  # the grammar's answer, not ANSWER
+    assert content == restarted.answers["schema"].choices[0].message.content
     assert completion.choices[0].message.reasoning_content == THINKING
+    compat.exercised("offload", loaded_tokens=completion.usage.prompt_tokens_details.cached_tokens)
+    compat.exercised("structured", output=content, schema=SCHEMA["json_schema"]["schema"])
 
 
-def test_a_message_reads_the_store(restarted):
+def test_a_message_reads_the_store(restarted, compat):
     reply = message(restarted)
     assert reply.usage.cache_read_input_tokens > 0
     assert reply.content[1].text == restarted.answers["message"].content[1].text == ANSWER
+    compat.exercised("messages", message=reply)
+    compat.exercised("offload", loaded_tokens=reply.usage.cache_read_input_tokens)
 
 
 def test_prompt_logprobs_compute_the_prompt_instead_of_reading_the_store(restarted):
@@ -214,7 +259,9 @@ def test_prompt_logprobs_compute_the_prompt_instead_of_reading_the_store(restart
     )
 
 
-def test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store(restarted, tmp_path):
+def test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store(
+    restarted, tmp_path, compat
+):
     # The first server computed every prefix: its record replays although the directory now
     # holds them (a replay reads no directory unless told to).
     replays_identically(replay(restarted.first_record))
@@ -237,12 +284,14 @@ def embeddings(llm: LLM) -> list[list[float]]:
     return [output.outputs[0].embedding for output in llm.embed(["a b c d e f", "g h"])]
 
 
-def test_the_pooling_runner_embeds_from_an_int8_kv_cache_like_float32(tiny_dir):
+def test_the_pooling_runner_embeds_from_an_int8_kv_cache_like_float32(tiny_dir, compat):
     int8 = LLM(model=tiny_dir, runner="pooling", dtype="float32", kv_cache_dtype="int8")
     plain = LLM(model=tiny_dir, runner="pooling", dtype="float32")
     try:
         assert int8.engine.model_runner.kv_cache.dtype == torch.int8
         ours, reference = torch.tensor(embeddings(int8)), torch.tensor(embeddings(plain))
+        compat.exercised("kvdtype", kv_cache_dtype=int8.engine.model_runner.kv_cache.dtype)
+        compat.exercised("embed", embedding=ours[0].tolist())
     finally:
         int8.shutdown()
         plain.shutdown()
@@ -250,14 +299,16 @@ def test_the_pooling_runner_embeds_from_an_int8_kv_cache_like_float32(tiny_dir):
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_the_pooling_runner_embeds_the_same_across_a_sleep(tiny_dir, level):
+def test_the_pooling_runner_embeds_the_same_across_a_sleep(tiny_dir, level, compat):
     llm = LLM(model=tiny_dir, runner="pooling", dtype="float32", enable_sleep_mode=True)
     try:
         before = embeddings(llm)
         llm.sleep(level)
+        compat.exercised("sleep", asleep=llm.engine.sleep_level == level)
         with pytest.raises(ValueError, match="asleep"):
             llm.embed(["a b c"])
         llm.wake_up()
         assert embeddings(llm) == before
+        compat.exercised("embed", embedding=before[0])
     finally:
         llm.shutdown()

@@ -43,12 +43,14 @@ def int8_kv():
     stack.stop()
 
 
-def test_the_router_in_front_of_an_int8_kv_worker_answers_as_the_worker(int8_kv):
+def test_the_router_in_front_of_an_int8_kv_worker_answers_as_the_worker(int8_kv, compat):
     assert "torch.int8 codes" in int8_kv.worker.log()
     direct = complete(int8_kv.worker.url)
     routed = complete(int8_kv.router.url)
     assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
     assert routed["usage"]["completion_tokens"] == 8
+    compat.exercised("kvdtype", kv_cache_dtype=compat.kv_dtype_in_log(int8_kv.worker.log()))
+    compat.exercised("router", routed=int8_kv.router.stats()["workers"][0]["num_routed"])
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def offload(tmp_path_factory):
     stack.stop()
 
 
-def test_grpc_reads_a_prefix_from_the_store_after_the_pool_forgot_it(offload):
+def test_grpc_reads_a_prefix_from_the_store_after_the_pool_forgot_it(offload, compat):
     async def generate(client):
         return await client.generate(PROMPT, max_tokens=8, temperature=0)
 
@@ -71,11 +73,17 @@ def test_grpc_reads_a_prefix_from_the_store_after_the_pool_forgot_it(offload):
     warm = offload.grpc(generate)
     assert warm.cached_tokens >= 16
     assert warm.text == cold.text
+    compat.exercised("grpc", reply=warm)
+    compat.exercised("offload", loaded_tokens=warm.cached_tokens)
 
 
-def test_the_router_in_front_of_a_store_worker_gets_the_prefix_from_the_store(offload):
+def test_the_router_in_front_of_a_store_worker_gets_the_prefix_from_the_store(offload, compat):
     cold = complete(offload.router.url)
     empty_the_pool(offload)
     warm = complete(offload.router.url)
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    compat.exercised(
+        "offload", loaded_tokens=warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    )
+    compat.exercised("router", routed=offload.router.stats()["workers"][0]["num_routed"])

@@ -58,6 +58,8 @@ class PD:
         self.url = cluster.url
         self.prefill = f"http://127.0.0.1:{base_port}"
         self.decode = f"http://127.0.0.1:{base_port + 1}"
+        self.phase_1 = 0
+        """How far the router's phase-1 counter moved in the last `disaggregated` call."""
 
     def metric(self, name: str, url: str | None = None) -> float:
         text = httpx.get(f"{url or self.url}/metrics", timeout=30).text
@@ -77,7 +79,8 @@ class PD:
         before = self.metric(PHASE_ONES)
         answer = self.post(path, body)
         assert answer.status_code == 200, answer.text
-        assert self.metric(PHASE_ONES) == before + 1
+        self.phase_1 = self.metric(PHASE_ONES) - before
+        assert self.phase_1 == 1
         if cached:
             assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         return answer.json()
@@ -128,7 +131,13 @@ def _text(answer: dict) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def test_gguf_blocks_answer_through_pd_as_the_decode_worker_alone(pd):
+def _cached(answer: dict) -> int:
+    """Prompt tokens the decode worker did not compute: read from the store (each test's
+    prompt is new to the pool)."""
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_gguf_blocks_answer_through_pd_as_the_decode_worker_alone(pd, compat):
     body = {"prompt": "The lighthouse keeper climbed the narrow stairs every evening to "
             "light the lamp, and on the night of the storm he saw", "return_token_ids": True,
             **GREEDY}  # fmt: skip
@@ -137,25 +146,34 @@ def test_gguf_blocks_answer_through_pd_as_the_decode_worker_alone(pd):
     assert answer["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
     assert "quantization=gguf" in pd.cluster.log()
     assert [w["kv_role"] for w in pd.cluster.stats()["workers"]] == ["prefill", "decode"]
+    compat.exercised("pd", phase_1=pd.phase_1)
+    compat.exercised("offload", loaded_tokens=_cached(answer))
+    compat.exercised("router", routed=sum(w["num_routed"] for w in pd.cluster.stats()["workers"]))
+    compat.exercised("gguf", quantization=compat.quantization_in_log(pd.cluster.log()))
 
 
-def test_an_adapter_runs_both_phases(pd):
+def test_an_adapter_runs_both_phases(pd, compat):
     body = {"model": "a", "prompt": "A short story about a fox who found a golden key in the "
             "snow behind the old mill, told to children at bedtime:", **GREEDY}  # fmt: skip
     answer = pd.disaggregated("/v1/completions", body)
     assert answer["model"] == "a"
+    compat.exercised("pd", phase_1=pd.phase_1)
     assert _text(answer) == _text(pd.colocated("/v1/completions", body))
+    base = pd.disaggregated("/v1/completions", {k: v for k, v in body.items() if k != "model"})
+    compat.exercised("lora", output=_text(answer), base=_text(base))
 
 
-def test_ngram_drafts_run_on_the_decode_worker(pd):
+def test_ngram_drafts_run_on_the_decode_worker(pd, compat):
     drafts = pd.metric("nanollmserve:spec_decode_num_drafts_total", pd.decode)
     body = {"prompt": REPEATING_PROMPT, **GREEDY, "max_tokens": 24}
     answer = pd.disaggregated("/v1/completions", body)
-    assert pd.metric("nanollmserve:spec_decode_num_drafts_total", pd.decode) > drafts
+    compat.exercised("pd", phase_1=pd.phase_1)
+    drafted = pd.metric("nanollmserve:spec_decode_num_drafts_total", pd.decode) - drafts
+    compat.exercised("spec", num_drafts=drafted)
     assert _text(answer) == _text(pd.colocated("/v1/completions", body))
 
 
-def test_a_json_schema_holds_through_pd(pd):
+def test_a_json_schema_holds_through_pd(pd, compat):
     body = {
         "messages": [{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
         "response_format": {
@@ -167,14 +185,22 @@ def test_a_json_schema_holds_through_pd(pd):
     }
     answer = pd.disaggregated("/v1/chat/completions", body)
     assert isinstance(json.loads(_text(answer))["ok"], bool)
+    compat.exercised("pd", phase_1=pd.phase_1)
+    compat.exercised("structured", output=_text(answer), schema=SCHEMA)
     assert _text(answer) == _text(pd.colocated("/v1/chat/completions", body))
 
 
-def test_priority_is_taken_by_both_phases(pd):
+def test_priority_is_taken_by_both_phases(pd, compat):
     body = {"prompt": "Three rules for sailing in fog near a rocky coast at night, written "
             "for a young deckhand:", **GREEDY}  # fmt: skip
     for priority in (-5, 7):
+        seen = {url: len(_arrivals(url)) for url in (pd.prefill, pd.decode)}
         answer = pd.disaggregated("/v1/completions", {**body, "priority": priority})
+        compat.exercised("pd", phase_1=pd.phase_1)
+        for url in (pd.prefill, pd.decode):  # each phase's engine got it
+            [arrival] = _arrivals(url)[seen[url] :]
+            assert arrival["sampling_params"]["priority"] == priority
+            compat.exercised("priority", recorded=arrival["sampling_params"]["priority"])
         assert _text(answer) == _text(pd.colocated("/v1/completions", body))
     before = pd.metric(PHASE_ONES)
     for hostile in ('"high"', "1.5", str(2**70), "[1]", "NaN", "-Infinity"):
@@ -188,13 +214,15 @@ def test_priority_is_taken_by_both_phases(pd):
     assert pd.metric(PHASE_ONES) == before  # phase 1 refused each: no phase 2
 
 
-def test_token_level_io_through_pd(pd):
+def test_token_level_io_through_pd(pd, compat):
     ids = httpx.post(
         f"{pd.decode}/tokenize", json={"prompt": "Seven wonders of the ancient world, each "
         "with the city it stood in and the century it was built:"}, timeout=30,
     ).json()["tokens"]  # fmt: skip
     body = {"prompt": ids, "return_token_ids": True, **GREEDY}
     answer = pd.disaggregated("/v1/completions", body)
+    compat.exercised("pd", phase_1=pd.phase_1)
+    compat.exercised("tokenio", token_ids=answer["choices"][0]["token_ids"])
     expected = pd.colocated("/v1/completions", body)
     assert answer["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
     # prompt_logprobs compute the whole prompt on the decode worker: phase 1 runs, no hit.
@@ -203,6 +231,7 @@ def test_token_level_io_through_pd(pd):
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     expected = pd.colocated("/v1/completions", logprobs)
     assert answer["choices"][0]["prompt_logprobs"] == expected["choices"][0]["prompt_logprobs"]
+    compat.exercised("tokenio", prompt_logprobs=answer["choices"][0]["prompt_logprobs"])
 
 
 def _arrivals(url: str) -> list[dict]:
@@ -210,19 +239,22 @@ def _arrivals(url: str) -> list[dict]:
     return [arrival for line in lines[1:] for arrival in json.loads(line)["arrivals"]]
 
 
-def test_both_workers_record_their_phase(pd):
+def test_both_workers_record_their_phase(pd, compat):
     body = {"prompt": "Notes from a beekeeper's diary in early spring, when the first "
             "willows flower along the river:", **GREEDY}  # fmt: skip
     seen = {url: len(_arrivals(url)) for url in (pd.prefill, pd.decode)}
     pd.disaggregated("/v1/completions", body)
+    compat.exercised("pd", phase_1=pd.phase_1)
     [phase_1] = _arrivals(pd.prefill)[seen[pd.prefill] :]
     [phase_2] = _arrivals(pd.decode)[seen[pd.decode] :]
+    recorded = sum(len(_arrivals(url)) - seen[url] for url in (pd.prefill, pd.decode))
+    compat.exercised("recorder", records=recorded)
     assert phase_1["sampling_params"]["max_tokens"] == 1
     assert phase_2["sampling_params"]["max_tokens"] == GREEDY["max_tokens"]
     assert _arrivals(pd.url) == _arrivals(pd.decode)  # the router forwards /debug/steps there
 
 
-def test_one_trace_holds_both_phases(pd, receiver):
+def test_one_trace_holds_both_phases(pd, receiver, compat):
     trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     body = {"messages": [{"role": "user", "content": "Name three old harbour towns on the "
             "North Sea and one thing each was known for."}], **GREEDY}  # fmt: skip
@@ -232,6 +264,7 @@ def test_one_trace_holds_both_phases(pd, receiver):
         headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
     )  # fmt: skip
     assert answer.status_code == 200 and pd.metric(PHASE_ONES) == before + 1
+    compat.exercised("pd", phase_1=pd.metric(PHASE_ONES) - before)
 
     def spans():  # the router's span, its two calls and the workers' spans, once all arrived
         found = receiver.trace(trace_id)
@@ -246,9 +279,10 @@ def test_one_trace_holds_both_phases(pd, receiver):
     assert all(s["kind"] == SERVER and s["parent_id"] in calls for s in workers)
     tokens = sorted(s["attributes"]["gen_ai.request.max_tokens"] for s in workers)
     assert tokens == [1, GREEDY["max_tokens"]]
+    compat.exercised("tracing", spans=len(found))
 
 
-def test_messages_are_served_by_a_decode_worker_without_phase_1(pd):
+def test_messages_are_served_by_a_decode_worker_without_phase_1(pd, compat):
     conversation = [{"role": "user", "content": "Write one sentence about the sea."}]
     before = pd.metric(PHASE_ONES)
     seen = {url: len(_arrivals(url)) for url in (pd.prefill, pd.decode)}
@@ -261,17 +295,20 @@ def test_messages_are_served_by_a_decode_worker_without_phase_1(pd):
     assert len(_arrivals(pd.decode)) == seen[pd.decode] + 1
     chat = pd.disaggregated("/v1/chat/completions", {"messages": conversation, **GREEDY})
     assert [block.text for block in message.content] == [_text(chat)]
+    compat.exercised("messages", message=message)
+    compat.exercised("pd", phase_1=pd.phase_1)
 
 
-def test_embeddings_through_pd_are_a_400(pd):
+def test_embeddings_through_pd_are_a_400(pd, compat):
     answer = pd.post("/v1/embeddings", {"input": "hello"})
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert "--runner pooling" in error["message"]
+    compat.refused("embed", "pd", error["message"])
 
 
-def test_a_sleeping_worker_under_pd(pd):
+def test_a_sleeping_worker_under_pd(pd, compat):
     body = {"prompt": "The ferry timetable for the islands in winter, with the first and last "
             "boat of each day:", **GREEDY}  # fmt: skip
     expected = _text(pd.colocated("/v1/completions", body))
@@ -288,20 +325,23 @@ def test_a_sleeping_worker_under_pd(pd):
         asleep = pd.post("/v1/completions", {**body, "prompt": body["prompt"] + " Monday"})
         assert asleep.status_code == 503
         assert asleep.json()["error"]["code"] == "engine_sleeping"
+        compat.exercised("sleep", asleep=asleep.json()["error"]["code"] == "engine_sleeping")
     finally:
         assert httpx.post(f"{pd.decode}/wake_up", timeout=60).status_code == 200
     # The store outlives the decode worker's sleep: its pool refills from it.
     answer = pd.disaggregated("/v1/completions", body)
     assert _text(answer) == expected
+    compat.exercised("pd", phase_1=pd.phase_1)
 
 
-def test_int8_weights_and_the_reasoning_parser_through_pd():
+def test_int8_weights_and_the_reasoning_parser_through_pd(compat):
     pd = start_pd(
         str(tiny_model_dir()), *WORKER_ARGS, "--quantization", "int8",
         "--reasoning-parser", "qwen3",
     )  # fmt: skip
     try:
         assert "quantization=int8" in pd.cluster.log()
+        compat.exercised("int8", quantization=compat.quantization_in_log(pd.cluster.log()))
         body = {"prompt": "A list of the tools a carpenter keeps in the workshop, from the "
                 "largest saw to the smallest awl:", "return_token_ids": True, **GREEDY}  # fmt: skip
         answer = pd.disaggregated("/v1/completions", body)
@@ -322,6 +362,8 @@ def test_int8_weights_and_the_reasoning_parser_through_pd():
         message = chat["choices"][0]["message"]
         assert thinking and message["reasoning_content"] == thinking
         assert (message["content"] or "") == content
+        compat.exercised("reasoning", reasoning_content=message["reasoning_content"])
+        compat.exercised("pd", phase_1=pd.phase_1)
     finally:
         assert pd.cluster.stop() == 0
 
@@ -334,20 +376,28 @@ def _refusal(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flags", "message", "feature"),
     [
-        (["--runner", "pooling"], "kv_offload_dir extends the prefix cache"),
-        (["--kv-cache-dtype", "int8"], "kv_cache_dtype int8 is not supported with kv_offload_dir"),
+        (["--runner", "pooling"], "kv_offload_dir extends the prefix cache", "embed"),
+        (
+            ["--kv-cache-dtype", "int8"],
+            "kv_cache_dtype int8 is not supported with kv_offload_dir",
+            "kvdtype",
+        ),
     ],
     ids=["pooling", "kv-cache-dtype"],
 )
-def test_a_worker_role_refuses_what_the_store_cannot_carry(tmp_path, flags, message):
+def test_a_worker_role_refuses_what_the_store_cannot_carry(
+    tmp_path, flags, message, feature, compat
+):
     done = _refusal("serve", "--kv-role", "decode", "--kv-offload-dir", str(tmp_path), *flags)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+    compat.refused(feature, "pd", done.stderr)
 
 
-def test_the_pd_router_has_no_grpc_port():
+def test_the_pd_router_has_no_grpc_port(compat):
     done = _refusal("router", "--policy", "pd", "--worker", "http://127.0.0.1:1",
                     "--grpc-port", "50051")  # fmt: skip
     assert done.returncode == 2 and "unrecognized arguments: --grpc-port" in done.stderr
+    compat.refused("grpc", "pd", done.stderr)

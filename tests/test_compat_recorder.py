@@ -79,7 +79,9 @@ def reasoning_int8(tmp_path_factory):
     server.close()
 
 
-def test_a_traced_int8_reasoning_chat_with_token_io_is_recorded(reasoning_int8):
+def test_a_traced_int8_reasoning_chat_with_token_io_is_recorded(reasoning_int8, compat):
+    before = len(reasoning_int8.arrivals())
+    reasoning_int8.exporter.clear()
     chat = reasoning_int8.openai().chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,
         extra_body={"priority": -1, "return_token_ids": True, "prompt_logprobs": 1},
@@ -89,13 +91,20 @@ def test_a_traced_int8_reasoning_chat_with_token_io_is_recorded(reasoning_int8):
     [span] = reasoning_int8.exporter.get_finished_spans()
     assert span.name == "chat tiny"
     assert span.attributes["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens
-    [arrival] = reasoning_int8.arrivals()
+    [arrival] = reasoning_int8.arrivals()[before:]
     assert arrival["prompt_token_ids"] == chat.prompt_token_ids
     params = arrival["sampling_params"]
     assert params["priority"] == -1 and params["prompt_logprobs"] == 1
+    compat.exercised("int8", quantization=reasoning_int8.engine.info.quantization)
+    compat.exercised("priority", recorded=params["priority"])
+    compat.exercised("reasoning", reasoning_content=message.reasoning_content)
+    compat.exercised("recorder", records=len(reasoning_int8.arrivals()) - before)
+    compat.exercised("tokenio", token_ids=chat.prompt_token_ids)
+    compat.exercised("tokenio", prompt_logprobs=chat.prompt_logprobs)
+    compat.exercised("tracing", spans=len(reasoning_int8.exporter.get_finished_spans()))
 
 
-def test_an_anthropic_message_is_recorded(reasoning_int8):
+def test_an_anthropic_message_is_recorded(reasoning_int8, compat):
     before = len(reasoning_int8.arrivals())
     message = reasoning_int8.anthropic().messages.create(
         model="tiny", max_tokens=40, messages=MESSAGES, extra_body={"temperature": 0}
@@ -103,21 +112,42 @@ def test_an_anthropic_message_is_recorded(reasoning_int8):
     assert [block.type for block in message.content] == ["thinking", "text"]
     assert message.content[1].text == ANSWER
     assert len(reasoning_int8.arrivals()) == before + 1
+    compat.exercised("messages", message=message)
+    compat.exercised("recorder", records=len(reasoning_int8.arrivals()) - before)
 
 
-def test_the_int8_reasoning_record_replays_identically(reasoning_int8, tmp_path):
+def test_the_int8_reasoning_record_replays_identically(reasoning_int8, tmp_path, compat):
+    """The record of a completion, a chat with token-level output and reasoning, and an
+    Anthropic message replays identically."""
+    before = len(reasoning_int8.arrivals())
     reasoning_int8.openai().completions.create(model="tiny", prompt="Is it ok?\n", max_tokens=8)
+    chat = reasoning_int8.openai().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,
+        extra_body={"return_token_ids": True, "prompt_logprobs": 1},
+    )  # fmt: skip
+    message = reasoning_int8.anthropic().messages.create(
+        model="tiny", max_tokens=40, messages=MESSAGES, extra_body={"temperature": 0}
+    )
     result = reasoning_int8.replay(tmp_path / "int8.jsonl")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "identical" in result.stdout
+    compat.exercised("int8", quantization=reasoning_int8.engine.info.quantization)
+    compat.exercised("recorder", records=len(reasoning_int8.arrivals()) - before)
+    compat.exercised("reasoning", reasoning_content=chat.choices[0].message.reasoning_content)
+    compat.exercised("tokenio", token_ids=chat.prompt_token_ids)
+    compat.exercised("messages", message=message)
 
 
-def test_embeddings_are_recorded_and_replay(tmp_path):
+def test_embeddings_are_recorded_and_replay(tmp_path, compat):
     server = RecordedServer({"model": str(tiny_model_dir()), "runner": "pooling"})
     try:
-        server.openai().embeddings.create(model="tiny", input=["a b c", "d e"])
+        reply = server.openai().embeddings.create(
+            model="tiny", input=["a b c", "d e"], encoding_format="float"
+        )
+        compat.exercised("embed", embedding=reply.data[0].embedding)
         arrivals = server.arrivals()
         assert len(arrivals) == 2
+        compat.exercised("recorder", records=len(arrivals))
         result = server.replay(tmp_path / "pooling.jsonl")
     finally:
         server.close()

@@ -27,7 +27,7 @@ def stack():
     stack.stop()
 
 
-def test_sharded_worker_constrains_output_over_grpc(stack):
+def test_sharded_worker_constrains_output_over_grpc(stack, compat):
     async def body(client):
         return await client.generate(
             "Pick one:", max_tokens=8, structured_outputs={"choice": ["left", "right"]}
@@ -36,9 +36,12 @@ def test_sharded_worker_constrains_output_over_grpc(stack):
     answer = stack.grpc(body)
     assert "rank 1 of 2" in stack.worker.log()
     assert answer.text in ("left", "right") and answer.finish_reason == "stop"
+    compat.exercised("tp", ranks=compat.ranks_in_log(stack.worker.log()))
+    compat.exercised("grpc", reply=answer)
+    compat.exercised("structured", output=answer.text, choice=["left", "right"])
 
 
-def test_router_in_front_of_a_sharded_worker_keeps_the_choice(stack):
+def test_router_in_front_of_a_sharded_worker_keeps_the_choice(stack, compat):
     completion = stack.router.openai().completions.create(
         model=MODEL,
         prompt="Pick one:",
@@ -47,17 +50,21 @@ def test_router_in_front_of_a_sharded_worker_keeps_the_choice(stack):
     )
     assert completion.choices[0].text in ("left", "right")
     assert stack.router.stats()["workers"][0]["num_routed"] >= 1
+    compat.exercised("tp", ranks=compat.ranks_in_log(stack.worker.log()))
+    compat.exercised("router", routed=stack.router.stats()["workers"][0]["num_routed"])
+    compat.exercised("structured", output=completion.choices[0].text, choice=["left", "right"])
 
 
 @pytest.mark.parametrize(
-    ("feature", "kwargs"),
+    ("feature", "kwargs", "cell"),
     [
-        ("--quantization", {"quantization": "gguf"}),
-        ("LoRA adapters", {"enable_lora": True}),
-        ("speculative decoding", {"speculative_config": SPEC_NGRAM}),
+        ("--quantization", {"quantization": "gguf"}, "gguf"),
+        ("LoRA adapters", {"enable_lora": True}, "lora"),
+        ("speculative decoding", {"speculative_config": SPEC_NGRAM}, "spec"),
     ],
     ids=["quantization", "lora", "speculation"],
 )
-def test_unsupported_features_are_refused_before_ranks_start(feature, kwargs):
-    with pytest.raises(UserError, match=f"tensor parallelism with {feature} is not supported"):
+def test_unsupported_features_are_refused_before_ranks_start(feature, kwargs, cell, compat):
+    with pytest.raises(UserError, match=f"tensor parallelism with {feature} is not supported") as e:
         LLM(str(tiny_model_dir()), dtype="float32", tensor_parallel_size=2, **kwargs)
+    compat.refused("tp", cell, str(e.value))

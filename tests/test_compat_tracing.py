@@ -27,7 +27,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
-def test_a_sharded_reasoning_chat_with_priority_and_token_io_is_traced(tmp_path, capfd):
+def test_a_sharded_reasoning_chat_with_priority_and_token_io_is_traced(tmp_path, capfd, compat):
     model = make_reasoning_model(tmp_path / "qwen3-reasoning")
     exporter = InMemorySpanExporter()
     tracer = Tracer.with_exporter(exporter, "nanollmserve-test", batch=False)
@@ -41,15 +41,23 @@ def test_a_sharded_reasoning_chat_with_priority_and_token_io_is_traced(tmp_path,
     client.__enter__()
     try:
         api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
-        chat = api.chat.completions.create(
+        raw = api.chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": "Is it ok?"}], max_tokens=40,
             temperature=0, extra_headers={"traceparent": TRACEPARENT},
             extra_body={"priority": 3, "return_token_ids": True, "prompt_logprobs": 1},
         )  # fmt: skip
+        chat = raw.parse()
         message = chat.choices[0].message
         assert (message.reasoning_content, message.content) == (THINKING, ANSWER)
         assert len(chat.prompt_logprobs) == len(chat.prompt_token_ids)
-        assert "rank 1 of 2" in capfd.readouterr().err
+        err = capfd.readouterr().err
+        assert "rank 1 of 2" in err
+        compat.exercised("tp", ranks=compat.ranks_in_log(err))
+        compat.exercised("reasoning", reasoning_content=message.reasoning_content)
+        compat.exercised("priority", admitted=(3, raw.status_code))
+        compat.exercised("tokenio", token_ids=chat.prompt_token_ids)
+        compat.exercised("tokenio", prompt_logprobs=chat.prompt_logprobs)
+        compat.exercised("tracing", spans=len(exporter.get_finished_spans()))
         [span] = exporter.get_finished_spans()
         assert span.name == "chat tiny" and span.kind == SpanKind.SERVER
         assert f"{span.context.trace_id:032x}" == TRACE_ID

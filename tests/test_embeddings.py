@@ -88,12 +88,14 @@ def test_bundled_float32_matches_transformers(make_llm, hf_bundled, pooling_type
 
 
 @pytest.mark.timeout(600)
-def test_bundled_gguf_blocks_match_transformers(make_llm, hf_bundled):
+def test_bundled_gguf_blocks_match_transformers(make_llm, hf_bundled, compat):
     llm = make_llm(runner="pooling", dtype="auto", pooler_config={"pooling_type": "MEAN"})
     assert llm.engine.loaded.quantization == "gguf"
+    compat.exercised("gguf", quantization=llm.engine.loaded.quantization)
     for output in llm.embed(TEXTS, use_tqdm=False):
         expected = hf_pooled(hf_bundled[0], output.prompt_token_ids, "MEAN")
         assert cosine(output.outputs[0].embedding, expected) > 0.9999
+        compat.exercised("embed", embedding=output.outputs[0].embedding)
 
 
 @pytest.mark.timeout(600)
@@ -122,7 +124,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(600)
-def test_tiny_random_model_one_and_two_ranks_match_transformers(tiny_llama_dir):
+def test_tiny_random_model_one_and_two_ranks_match_transformers(tiny_llama_dir, compat):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in (1, 9, 40)]
@@ -139,11 +141,15 @@ def test_tiny_random_model_one_and_two_ranks_match_transformers(tiny_llama_dir):
             for output in llm.embed(prompts, use_tqdm=False):
                 expected = hf_pooled(hf, output.prompt_token_ids, "MEAN")
                 assert cosine(output.outputs[0].embedding, expected) > 0.9999, ranks
+                compat.exercised("embed", embedding=output.outputs[0].embedding)
+            if ranks == 2:
+                compat.exercised("tp", ranks=compat.ranks_running())
 
 
-def test_what_a_pooling_engine_refuses(make_llm):
-    with pytest.raises(UserError, match="speculative decoding"):
+def test_what_a_pooling_engine_refuses(make_llm, compat):
+    with pytest.raises(UserError, match="speculative decoding") as error:
         LLM(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    compat.refused("spec", "embed", str(error.value))
     with pytest.raises(UserError, match="pooling_type"):
         LLM(runner="pooling", pooler_config='{"pooling_type": "ALL"}')
     with pytest.raises(UserError, match="needs --runner pooling"):
@@ -259,7 +265,7 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("body, param", HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
-def test_hostile_requests_are_400_naming_the_field(server, body, param):
+def test_hostile_requests_are_400_naming_the_field(server, body, param, compat):
     with server.client() as http:
         reply = http.post("/v1/embeddings", json=body)
     assert reply.status_code in (400, 404), reply.text
@@ -267,6 +273,8 @@ def test_hostile_requests_are_400_naming_the_field(server, body, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param, error
     assert server.process.poll() is None
+    if param == "response_format":  # structured output on a pooling server
+        compat.refused("structured", "embed", error["message"])
 
 
 def test_non_finite_numbers_are_400(server):
@@ -291,11 +299,12 @@ def test_generation_routes_are_refused_on_a_pooling_server(server):
         client.completions.create(model=MODEL, prompt="hi")
 
 
-def test_grpc_generate_is_refused_on_a_pooling_server(server):
+def test_grpc_generate_is_refused_on_a_pooling_server(server, compat):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         grpc_run(server, lambda c: c.generate("hi", max_tokens=4), api_key=API_KEY)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "--runner pooling" in info.value.details()
+    compat.refused("grpc", "embed", info.value.details())
 
 
 def test_a_generating_server_refuses_embeddings_naming_the_flag():
@@ -308,7 +317,7 @@ def test_a_generating_server_refuses_embeddings_naming_the_flag():
 
 
 @pytest.mark.timeout(600)
-def test_a_lora_adapter_embeds_like_peft_merged(make_llm, hf_bundled):
+def test_a_lora_adapter_embeds_like_peft_merged(make_llm, hf_bundled, compat):
     from lora_adapters import adapter_dir, load_base
     from peft import PeftModel
 
@@ -324,10 +333,15 @@ def test_a_lora_adapter_embeds_like_peft_merged(make_llm, hf_bundled):
     base = hf_pooled(hf_bundled[0], without.prompt_token_ids)
     assert cosine(without.outputs[0].embedding, base) > 0.9999
     assert cosine(with_lora.outputs[0].embedding, hf_pooled(hf_bundled[0], ids)) < 0.999
+    [same_text] = llm.embed(TEXTS[:1], use_tqdm=False)  # the same input, no adapter
+    compat.exercised(
+        "lora", output=with_lora.outputs[0].embedding, base=same_text.outputs[0].embedding
+    )
+    compat.exercised("embed", embedding=with_lora.outputs[0].embedding)
 
 
 @pytest.mark.timeout(300)
-def test_the_router_forwards_embeddings(server):
+def test_the_router_forwards_embeddings(server, compat):
     from cluster_process import ClusterProcess
 
     port = free_port()
@@ -339,8 +353,10 @@ def test_the_router_forwards_embeddings(server):
         via_router = router.openai().embeddings.create(
             model=MODEL, input=["routed text", "another"], encoding_format="float"
         )
+        compat.exercised("router", routed=router.stats()["workers"][0]["num_routed"])
     finally:
         router.stop()
+    compat.exercised("embed", embedding=via_router.data[0].embedding)
     direct = server.openai().embeddings.create(
         model=MODEL, input=["routed text", "another"], encoding_format="float"
     )

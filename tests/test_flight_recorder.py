@@ -89,11 +89,15 @@ def test_a_record_holds_preemptions_prefix_hits_drafts_and_grammar_masks(recorde
 
 @pytest.mark.milestone("m24")
 @pytest.mark.timeout(400)
-def test_replay_reproduces_every_step_and_token(recorded_run):
-    path, steps, _ = recorded_run
+def test_replay_reproduces_every_step_and_token(recorded_run, compat):
+    path, steps, outputs = recorded_run
     result = nanollmserve("replay", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"identical: {len(steps)} steps" in result.stdout
+    compat.exercised("recorder", records=len(steps))
+    drafted = [e for step in steps for e in step["batch"] if e["draft_proposed"]]
+    compat.exercised("spec", num_drafts=len(drafted))
+    compat.exercised("structured", output=outputs[3].outputs[0].text, choice=["yes", "no"])
 
 
 @pytest.mark.milestone("m24")
@@ -177,7 +181,9 @@ def test_step_record_out_of_range_is_refused(value):
 
 @pytest.mark.milestone("m24")
 @pytest.mark.timeout(400)
-def test_a_priority_preemption_mid_run_is_recorded_with_its_reason_and_replays(make_llm, tmp_path):
+def test_a_priority_preemption_mid_run_is_recorded_with_its_reason_and_replays(
+    make_llm, tmp_path, compat
+):
     from cluster_process import tiny_model_dir
 
     from nanollmserve.engine.messages import EngineCoreRequest
@@ -207,6 +213,8 @@ def test_a_priority_preemption_mid_run_is_recorded_with_its_reason_and_replays(m
     assert all(
         p["for_request_id"] == "high" and p["request_id"].startswith("low") for p in preemptions
     )
+    compat.exercised("priority", preempted=sum(p["reason"] == "priority" for p in preemptions))
+    compat.exercised("recorder", records=len(steps))
     engine.flight_recorder.write(tmp_path / "priority.jsonl")
     result = nanollmserve("replay", str(tmp_path / "priority.jsonl"))
     assert result.returncode == 0, result.stdout + result.stderr

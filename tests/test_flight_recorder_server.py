@@ -55,7 +55,7 @@ def served(server):
         async with await connect(server.grpc_target, api_key=API_KEY) as grpc_client:
             return await grpc_client.generate("Once upon a time", max_tokens=4, temperature=0)
 
-    asyncio.run(grpc_generate())
+    server.grpc_reply = asyncio.run(grpc_generate())
     server.wait_idle()
     return server
 
@@ -85,7 +85,7 @@ def test_debug_steps_needs_the_api_key(server):
 
 
 @pytest.mark.milestone("m24")
-def test_every_frontends_requests_are_recorded_and_since_filters(served):
+def test_every_frontends_requests_are_recorded_and_since_filters(served, compat):
     header, steps = steps_of(served)
     assert header["first_step"] == 0 and header["num_steps"] == len(steps)
     assert header["config"]["num_kv_blocks"] == 64
@@ -93,6 +93,8 @@ def test_every_frontends_requests_are_recorded_and_since_filters(served):
     arrivals = [a for step in steps for a in step["arrivals"]]
     assert len(arrivals) == 4
     assert any(a["request_id"].startswith("grpc-") for a in arrivals)
+    compat.exercised("grpc", reply=served.grpc_reply)
+    compat.exercised("recorder", records=sum(a["request_id"].startswith("grpc-") for a in arrivals))
     assert any(a["sampling_params"]["seed"] == 3 for a in arrivals)
     scheduled = {entry["request_id"] for step in steps for entry in step["batch"]}
     assert scheduled == {a["request_id"] for a in arrivals}

@@ -160,7 +160,7 @@ async def _drain(stream):
 
 
 @pytest.mark.milestone("m15")
-def test_structured_outputs_constrain_generate_and_stream(server):
+def test_structured_outputs_constrain_generate_and_stream(server, compat):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
     async def body(client):
@@ -178,6 +178,10 @@ def test_structured_outputs_constrain_generate_and_stream(server):
     assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
     assert chunks[-1].finish_reason == "stop"
     assert isinstance(json.loads("".join(c.text for c in chunks))["ok"], bool)
+    compat.exercised("grpc", reply=choice)
+    compat.exercised("grpc", reply=chunks[-1])
+    compat.exercised("structured", output=choice.text, choice=["yes", "no"])
+    compat.exercised("structured", output="".join(c.text for c in chunks), schema=schema)
 
 
 def test_wrong_or_missing_key_is_unauthenticated(server):

@@ -39,6 +39,8 @@ from nanollmserve.structured_outputs import StructuredOutputsParams
 pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(600)]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+"""GREEDY with each chosen token's logprob (`drift`)."""
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -69,6 +71,27 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
     return sum(shares) / len(shares)
 
 
+def drift(ours, reference) -> tuple[float, float, float]:
+    """Two greedy runs of the same prompts (outputs with logprobs): the agreement of their
+    tokens, then the mean and the largest |difference| of the chosen tokens' logprobs before
+    each answer's first divergence, where both sides saw the same context. The logprobs
+    measure the K/V error at every token, where greedy agreement only sees the tokens it
+    flips (a near tie flips on a tiny error; a 5% wrong scale may flip none)."""
+    diffs = []
+    for a, b in zip(ours, reference, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        pairs = zip(x.token_ids, y.token_ids, strict=False)
+        same = next((i for i, (p, q) in enumerate(pairs) if p != q), len(y.token_ids))
+        diffs += [
+            abs(x.logprobs[i][x.token_ids[i]].logprob - y.logprobs[i][y.token_ids[i]].logprob)
+            for i in range(min(same, len(x.token_ids)))
+        ]
+    share = agreement(token_ids(ours), token_ids(reference))
+    if not diffs:  # diverged at the first token
+        return share, math.inf, math.inf
+    return share, sum(diffs) / len(diffs), max(diffs)
+
+
 BLOCKS = {"dtype": "float32", "quantization": "gguf"}
 """The CPU default's weights (the GGUF file's blocks, float32 math): the native step runs."""
 
@@ -89,6 +112,18 @@ def engines():
     yield built
     for llm in built.values():
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def f32_greedy(engines):
+    """The float32 K/V engine's greedy answers to PROMPTS, with logprobs (computed once)."""
+    return engines["float32"].generate(PROMPTS, GREEDY_LOGPROBS, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def f32_perplexity(engines) -> float:
+    """The float32 K/V engine's `quality_text_perplexity` (computed once)."""
+    return quality_text_perplexity(engines["float32"])
 
 
 @pytest.fixture
@@ -312,14 +347,24 @@ def test_the_native_step_and_the_pytorch_path_write_the_same_float16_row(f16, mo
     f16.engine.reset()
 
 
-def test_greedy_answers_agree_with_float32_mostly(int8, f32, record_property):
-    ours = token_ids(int8.generate(PROMPTS, GREEDY, use_tqdm=False))
-    reference = token_ids(f32.generate(PROMPTS, GREEDY, use_tqdm=False))
-    share = agreement(ours, reference)
+def test_greedy_answers_agree_with_float32_mostly(int8, f32_greedy, record_property):
+    """The native step's int8 K/V (these short prompts and every decode token quantize in C)
+    against float32 K/V: greedy agreement and the logprobs of the tokens both chose."""
+    ours = int8.generate(PROMPTS, GREEDY_LOGPROBS, use_tqdm=False)
+    share, mean, worst = drift(ours, f32_greedy)
     record_property("int8_greedy_agreement", share)
-    print(f"int8 K/V: {share:.0%} of greedy tokens before the first divergence from float32")
-    assert all(len(t) == GREEDY.max_tokens for t in ours)
-    assert share >= 0.25, share  # reported, not required to be 100%
+    record_property("int8_greedy_logprob_drift", mean)
+    print(
+        f"int8 K/V: {share:.0%} of greedy tokens before the first divergence from float32; "
+        f"their logprobs {mean:.4f} apart on average, {worst:.4f} at most"
+    )
+    assert all(len(t) == GREEDY.max_tokens for t in token_ids(ours))
+    # Measured: AMX build 85% (three answers whole, "def fibonacci" parts at token 13), mean
+    # 0.016, largest 0.13; AVX2 build (NANOLLMSERVE_CPU_ISA=avx2) 100%, 0.013, 0.13. A decode
+    # row's scale 5% too large (native quantize_kv_head) measured 75%, 0.045, 0.46.
+    assert share >= 0.8, share
+    assert mean < 0.035, mean
+    assert worst < 0.3, worst
 
 
 def quality_text_perplexity(llm) -> float:
@@ -332,43 +377,63 @@ def quality_text_perplexity(llm) -> float:
     return math.exp(-sum(row[t].logprob for t, row in zip(ids[1:], rows, strict=True)) / len(rows))
 
 
-def test_perplexity_with_int8_kv_is_within_half_a_percent(int8, f32, record_property):
-    ours, reference = quality_text_perplexity(int8), quality_text_perplexity(f32)
+def test_perplexity_with_int8_kv_is_within_half_a_percent(
+    int8, f32_perplexity, record_property, compat
+):
+    ours, reference = quality_text_perplexity(int8), f32_perplexity
     change = ours / reference - 1
     record_property("int8_perplexity_change", change)
     print(
         f"perplexity over 640 tokens: float32 K/V {reference:.4f}, "
         f"int8 K/V {ours:.4f} ({change:+.3%})"
     )
-    assert abs(change) < 5e-3
+    assert abs(change) < 5e-3  # measured +0.139% (AMX and AVX2 builds alike: the PyTorch path)
+    compat.exercised("gguf", quantization=int8.engine.loaded.quantization)
+    compat.exercised("kvdtype", kv_cache_dtype=int8.engine.model_runner.kv_cache.dtype)
 
 
-def test_float16_kv_keeps_float32s_perplexity_and_greedy_answers(f16, f32, record_property):
-    change = quality_text_perplexity(f16) / quality_text_perplexity(f32) - 1
+def test_float16_kv_keeps_float32s_perplexity_and_greedy_answers(
+    f16, f32_greedy, f32_perplexity, record_property, compat
+):
+    change = quality_text_perplexity(f16) / f32_perplexity - 1
     share = agreement(
-        token_ids(f16.generate(PROMPTS, GREEDY, use_tqdm=False)),
-        token_ids(f32.generate(PROMPTS, GREEDY, use_tqdm=False)),
+        token_ids(f16.generate(PROMPTS, GREEDY, use_tqdm=False)), token_ids(f32_greedy)
     )
     record_property("float16_perplexity_change", change)
     record_property("float16_greedy_agreement", share)
     print(f"float16 K/V: perplexity {change:+.4%}, greedy agreement {share:.0%}")
-    assert abs(change) < 1e-3  # int8's bound is 5e-3
-    assert share >= 0.75
+    assert abs(change) < 1e-3  # measured +0.036% (AMX and AVX2); int8's bound is 5e-3
+    assert share >= 0.75  # measured 100% (AMX and AVX2)
+    compat.exercised("gguf", quantization=f16.engine.loaded.quantization)
+    compat.exercised("kvdtype", kv_cache_dtype=f16.engine.model_runner.kv_cache.dtype)
+
+
+FP8_PERPLEXITY_BOUNDS = {"fp8_e4m3": 2e-2, "fp8_e5m2": 1e-1}
+"""|perplexity change| against float32 K/V, prefill chunks of 64 (`quality_text_perplexity`).
+Measured +0.74% (e4m3: 3 mantissa bits) and +4.39% (e5m2: 2), the same on the AMX and the AVX2
+builds (fp8 runs on the PyTorch path); bounds 2.7x and 2.3x those. A scale 5% too large
+(`kv_quant.quantize`) measured +13.0% and +18.8%."""
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_runs_on_the_pytorch_path(make_llm, f32, name, caplog):
+def test_fp8_runs_on_the_pytorch_path(make_llm, f32_greedy, f32_perplexity, name, caplog):
     with caplog.at_level("INFO", logger="nanollmserve.engine.native_decode"):
-        fp8 = make_llm(**BLOCKS, kv_cache_dtype=name)
+        fp8 = make_llm(**BLOCKS, kv_cache_dtype=name, max_num_batched_tokens=CHUNK)
     runner = fp8.engine.model_runner
     expected = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
     assert runner.kv_cache.dtype == expected and runner.kv_scales.shape == (2, 30, 512, 16, 3)
     assert runner.native_decode is None
     assert "not torch.float8" in caplog.text  # the reason the native step is refused
     ours = token_ids(fp8.generate(PROMPTS, GREEDY, use_tqdm=False))
-    reference = token_ids(f32.generate(PROMPTS, GREEDY, use_tqdm=False))
-    print(f"{name} K/V: {agreement(ours, reference):.0%} greedy agreement with float32")
+    change = quality_text_perplexity(fp8) / f32_perplexity - 1
+    # greedy agreement is reported only: 65% (e4m3) and 45% (e5m2) measured, and a wrong
+    # scale moved it either way (60%, 56%); the perplexity is the bar
+    print(
+        f"{name} K/V: perplexity {change:+.3%}, "
+        f"{agreement(ours, token_ids(f32_greedy)):.0%} greedy agreement with float32"
+    )
     assert all(len(t) == GREEDY.max_tokens for t in ours)
+    assert abs(change) < FP8_PERPLEXITY_BOUNDS[name], change
 
 
 def test_the_same_memory_holds_more_float16_and_int8_tokens(make_llm):
@@ -405,40 +470,66 @@ def test_auto_is_float16_under_gguf_blocks_and_the_models_dtype_otherwise(make_l
 
 
 def test_prefix_caching_reads_int8_blocks(int8):
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    """The second run reads the first's int8 blocks: the same codes and scales through the
+    same kernels, so the same answers and logprobs, bit for bit (measured on the AMX and
+    the AVX2 builds: 100%, logprobs 0.0 apart). A hit that skipped one token for the second
+    request admitted in a step measured 59%, the old bar (50%) let it through."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     prompts = [SYSTEM + "Name a colour.", SYSTEM + "Name a fruit."]
     first = int8.generate(prompts, params, use_tqdm=False)
     again = int8.generate(prompts, params, use_tqdm=False)
     assert all(o.num_cached_tokens >= 48 for o in again)
-    print("prefix hit vs cold:", agreement(token_ids(again), token_ids(first)))
-    assert agreement(token_ids(again), token_ids(first)) >= 0.5
+    share, _, worst = drift(again, first)
+    print(f"prefix hit vs cold: {share:.0%}, logprobs {worst:.2g} apart at most")
+    assert token_ids(again) == token_ids(first)
+    assert worst == 0.0, worst
 
 
 def test_preemption_recomputes_into_int8_blocks(make_llm, int8):
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
     small = make_llm(**BLOCKS, kv_cache_dtype="int8", num_kv_blocks=8, enable_prefix_caching=False)
-    outputs = token_ids(small.generate(PROMPTS, params, use_tqdm=False))
+    outputs = small.generate(PROMPTS, params, use_tqdm=False)
     assert small.engine.stats().num_preemptions > 0
-    assert all(len(t) == 40 for t in outputs)
-    share = agreement(outputs, token_ids(int8.generate(PROMPTS, params, use_tqdm=False)))
-    print(f"preempted vs not: {share:.0%}")
-    assert share >= 0.5
+    assert all(len(t) == 40 for t in token_ids(outputs))
+    share, mean, worst = drift(outputs, int8.generate(PROMPTS, params, use_tqdm=False))
+    print(
+        f"preempted vs not: {share:.0%}, logprobs {mean:.5f} apart on average, {worst:.4f} at most"
+    )
+    # The recompute runs the tokens as one span (tiles) where they first ran one at a time:
+    # other float rounding, so codes one apart. Measured: AMX build 90% ("def fibonacci" parts
+    # at token 24 of 40), mean 0.00032, largest 0.025; AVX2 build 100%, 0.0010, 0.027. The
+    # span kernel reading int8 values 30% too large measured 89%, 0.0035, 0.19.
+    assert share >= 0.85, share
+    assert mean < 2.5e-3, mean
+    assert worst < 0.075, worst
 
 
-def test_ngram_speculative_decoding_on_int8(make_llm, int8):
+def test_ngram_speculative_decoding_on_int8(make_llm, int8, compat):
     from spec_decode_prompts import ASK_JSON
 
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     spec = make_llm(**BLOCKS, kv_cache_dtype="int8", speculative_config=ngram)
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    drafted = token_ids(spec.chat(ASK_JSON, params, use_tqdm=False))
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0)
+    drafted = spec.chat(ASK_JSON, params, use_tqdm=False)
     assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
-    plain = token_ids(int8.chat(ASK_JSON, params, use_tqdm=False))
-    print(f"ngram vs plain decode: {agreement(drafted, plain):.0%}")
-    assert agreement(drafted, plain) >= 0.5
+    compat.exercised("spec", num_drafts=spec.engine.stats().spec_decode.num_drafts)
+    compat.exercised("kvdtype", kv_cache_dtype=spec.engine.model_runner.kv_cache.dtype)
+    plain = int8.chat(ASK_JSON, params, use_tqdm=False)
+    share, mean, worst = drift(drafted, plain)
+    print(
+        f"ngram vs plain decode: {share:.0%}, "
+        f"logprobs {mean:.5f} apart on average, {worst:.4f} at most"
+    )
+    # A verify span's rows attend together where plain decode runs one row: other float
+    # rounding only. Measured (19 tokens, then the end of the answer): AMX build 100%, mean
+    # 0.0017, largest 0.0087; AVX2 build 100%, 0.0017, 0.0068. A span row past the first six
+    # reading int8 keys 5% too large measured 100%, 0.0078, 0.087.
+    assert share >= 0.9, share
+    assert mean < 4e-3, mean
+    assert worst < 0.025, worst
 
 
-def test_lora_on_int8(make_llm):
+def test_lora_on_int8(make_llm, compat):
     from lora_adapters import adapter_dir
 
     lora = make_llm(**BLOCKS, kv_cache_dtype="int8", enable_lora=True)
@@ -449,9 +540,11 @@ def test_lora_on_int8(make_llm):
     base = token_ids(lora.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
     assert all(len(t) == GREEDY.max_tokens for t in with_adapter)
     assert with_adapter != base  # the adapter's answers, not the base model's
+    compat.exercised("lora", output=with_adapter, base=base)
+    compat.exercised("kvdtype", kv_cache_dtype=lora.engine.model_runner.kv_cache.dtype)
 
 
-def test_structured_output_on_int8(int8):
+def test_structured_output_on_int8(int8, compat):
     # bounded fields: the answer ends within max_tokens whatever digits the small model picks
     # (unbounded, a greedy "rank": 1000... ran past them)
     schema = {
@@ -470,18 +563,22 @@ def test_structured_output_on_int8(int8):
     [output] = int8.generate(["Give the largest city of Spain as JSON."], params, use_tqdm=False)
     answer = json.loads(output.outputs[0].text)
     assert isinstance(answer["city"], str) and isinstance(answer["rank"], int)
+    compat.exercised("structured", output=output.outputs[0].text, schema=schema)
+    compat.exercised("kvdtype", kv_cache_dtype=int8.engine.model_runner.kv_cache.dtype)
 
 
-def test_sleep_and_wake_keep_the_int8_cache(make_llm):
+def test_sleep_and_wake_keep_the_int8_cache(make_llm, compat):
     llm = make_llm(**BLOCKS, kv_cache_dtype="int8")
     before = token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
     llm.sleep(1)
     runner = llm.engine.model_runner
     assert runner.kv_cache is None and runner.kv_scales is None and runner.native_decode is None
+    compat.exercised("sleep", asleep=llm.engine.sleep_level == 1 and runner.kv_cache is None)
     llm.wake_up()
     assert runner.kv_cache.dtype == torch.int8 and runner.kv_scales is not None
     assert runner.native_decode is not None
     assert token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == before
+    compat.exercised("kvdtype", kv_cache_dtype=runner.kv_cache.dtype)
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -496,9 +593,11 @@ def test_sleep_and_wake_keep_the_int8_cache(make_llm):
         ({"kv_cache_dtype": float("nan")}, "kv_cache_dtype must be"),
     ],
 )
-def test_combinations_it_cannot_run_are_refused_before_loading(engine_args, message):
-    with pytest.raises(UserError, match=message):
+def test_combinations_it_cannot_run_are_refused_before_loading(engine_args, message, compat):
+    with pytest.raises(UserError, match=message) as error:
         LLM(**engine_args)
+    if "kv_offload_dir" in engine_args:
+        compat.refused("kvdtype", "offload", str(error.value))
 
 
 @pytest.mark.timeout(300)

@@ -29,19 +29,22 @@ def server():
     live.stop()
 
 
-def test_http_and_grpc_answer_from_an_int8_pool(server):
+def test_http_and_grpc_answer_from_an_int8_pool(server, compat):
     completion = server.openai().completions.create(
         model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=12, temperature=0
     )
     text = completion.choices[0].text
     assert completion.usage.completion_tokens == 12 and text.strip()
 
-    async def grpc_text() -> str:
+    async def grpc_reply():
         async with await connect(server.grpc_target) as client:
-            reply = await client.generate(PROMPT, max_tokens=12, temperature=0)
-            return reply.text
+            return await client.generate(PROMPT, max_tokens=12, temperature=0)
 
-    assert asyncio.run(grpc_text()) == text
+    reply = asyncio.run(grpc_reply())
+    assert reply.text == text
+    compat.exercised("grpc", reply=reply)
+    compat.exercised("kvdtype", kv_cache_dtype=compat.kv_dtype_in_log(server.log()))
+    compat.exercised("gguf", quantization=compat.quantization_in_log(server.log()))
     assert "run as one native call" in server.log()  # int8 K/V on the native step
     match = re.search(r"KV cache: (\d+) blocks of 16 tokens, torch.int8 codes", server.log())
     assert match, server.log()[-2000:]

@@ -59,13 +59,17 @@ def file_of_block(store: Path, prompt_ids: list[int], index: int) -> Path:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the GGUF blocks, native steps
-def test_a_new_engine_loads_the_blocks_the_last_one_wrote(make_llm, tmp_path, dtype):
+def test_a_new_engine_loads_the_blocks_the_last_one_wrote(make_llm, tmp_path, dtype, compat):
     cold = first_run(make_llm, tmp_path, dtype=dtype)
     full_blocks = (len(cold.prompt_token_ids) - 1) // BLOCK
     assert len(block_files(tmp_path)) >= full_blocks
 
-    warm = run(make_llm(kv_offload_dir=str(tmp_path), dtype=dtype))
+    reader = make_llm(kv_offload_dir=str(tmp_path), dtype=dtype)
+    warm = run(reader)
     assert warm.num_cached_tokens == full_blocks * BLOCK
+    compat.exercised("offload", loaded_tokens=warm.num_cached_tokens)
+    if dtype == "auto":
+        compat.exercised("gguf", quantization=reader.engine.loaded.quantization)
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     no_offload = run(make_llm(dtype=dtype))
     assert no_offload.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -102,15 +106,27 @@ def test_a_corrupt_truncated_or_misnamed_block_is_never_loaded_and_is_deleted(ma
     [{"dtype": "bfloat16"}, {"dtype": "auto"}, {"block_size": 32}],
     ids=["dtype", "weight-format", "block-size"],
 )
-def test_blocks_of_another_dtype_weight_format_or_layout_never_load(make_llm, tmp_path, changed):
+def test_blocks_of_another_dtype_weight_format_or_layout_never_load(
+    make_llm, tmp_path, changed, compat
+):
     first_run(make_llm, tmp_path)
     num_files = len(list(tmp_path.glob("*/*.kvb")))
-    out = run(make_llm(kv_offload_dir=str(tmp_path), **changed))
+    other = make_llm(kv_offload_dir=str(tmp_path), **changed)
+    out = run(other)
+    other.shutdown()  # its own blocks are written
     assert out.num_cached_tokens == 0
     cold = run(make_llm(**changed))
     assert out.outputs[0].token_ids == cold.outputs[0].token_ids
     # Nothing was deleted for it (the files are valid, just not this engine's).
     assert len(list(tmp_path.glob("*/*.kvb"))) >= num_files
+    # What an engine of its kind wrote, the next one of its kind reads.
+    reader = make_llm(kv_offload_dir=str(tmp_path), **changed)
+    again = run(reader)
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    compat.exercised("offload", loaded_tokens=again.num_cached_tokens)
+    if changed == {"dtype": "auto"}:  # the GGUF blocks
+        compat.exercised("gguf", quantization=reader.engine.loaded.quantization)
 
 
 @pytest.mark.timeout(240)
@@ -134,7 +150,7 @@ def test_the_directory_stays_under_its_bound_least_recently_used_first(make_llm,
 
 
 @pytest.mark.timeout(240)
-def test_blocks_are_kept_apart_by_adapter_and_cache_salt(make_llm, tmp_path):
+def test_blocks_are_kept_apart_by_adapter_and_cache_salt(make_llm, tmp_path, compat):
     lora = LoRARequest("a", 1, str(adapter_dir(seed=1)))
     engine_args = {"enable_lora": True, "max_lora_rank": 8, "kv_offload_dir": str(tmp_path)}
     llm = make_llm(**engine_args)
@@ -144,21 +160,27 @@ def test_blocks_are_kept_apart_by_adapter_and_cache_salt(make_llm, tmp_path):
     assert with_adapter.num_cached_tokens == 0 and salted.num_cached_tokens == 0
 
     llm = make_llm(**engine_args)
-    assert run(llm).num_cached_tokens == 0  # the base model finds neither
+    base = run(llm)
+    assert base.num_cached_tokens == 0  # the base model finds neither
     again = run(llm, lora_request=lora)
     assert again.num_cached_tokens > 0
     assert again.outputs[0].token_ids == with_adapter.outputs[0].token_ids
+    compat.exercised("offload", loaded_tokens=again.num_cached_tokens)
+    compat.exercised("lora", output=again.outputs[0].token_ids, base=base.outputs[0].token_ids)
     other_salt = SamplingParams(temperature=0, max_tokens=8, cache_salt="tenant-2")
     assert run(llm, params=other_salt).num_cached_tokens == 0
 
 
 @pytest.mark.timeout(240)
-def test_speculative_decoding_reads_the_store_too(make_llm, tmp_path):
+def test_speculative_decoding_reads_the_store_too(make_llm, tmp_path, compat):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     cold = first_run(make_llm, tmp_path, speculative_config=spec)
-    warm = run(make_llm(kv_offload_dir=str(tmp_path), speculative_config=spec))
+    reader = make_llm(kv_offload_dir=str(tmp_path), speculative_config=spec)
+    warm = run(reader)
     assert warm.num_cached_tokens > 0
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    compat.exercised("offload", loaded_tokens=warm.num_cached_tokens)
+    compat.exercised("spec", num_drafts=reader.engine.stats().spec_decode.num_drafts)
 
 
 @pytest.mark.parametrize(
@@ -170,9 +192,12 @@ def test_speculative_decoding_reads_the_store_too(make_llm, tmp_path):
     ],
     ids=["tensor-parallel", "no-prefix-caching", "pooling"],
 )
-def test_what_it_cannot_extend_is_refused_at_start(tmp_path, args, message):
-    with pytest.raises(UserError, match=message):
+def test_what_it_cannot_extend_is_refused_at_start(tmp_path, args, message, compat):
+    with pytest.raises(UserError, match=message) as error:
         EngineConfig(kv_offload_dir=str(tmp_path), **args)
+    other = {"tensor_parallel_size": "tp", "runner": "embed"}.get(next(iter(args)))
+    if other:  # a pair of the compatibility matrix
+        compat.refused(other, "offload", str(error.value))
 
 
 @pytest.mark.parametrize("size", ["0", "-1", "nan", "inf", "1e999", "lots", "", 0, -5])
@@ -205,13 +230,15 @@ def test_bench_prefix_restart_times_a_prefix_read_from_the_store(tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("level", [1, 2])
-def test_after_sleep_the_empty_pool_refills_from_the_store(make_llm, tmp_path, level):
+def test_after_sleep_the_empty_pool_refills_from_the_store(make_llm, tmp_path, level, compat):
     llm = make_llm(kv_offload_dir=str(tmp_path), enable_sleep_mode=True)
     cold = run(llm)
     num_blocks = (len(cold.prompt_token_ids) - 1) // BLOCK
     wait_for_files(tmp_path, num_blocks)  # the writer thread writes them after the step
     llm.sleep(level)  # the pool and its prefix cache are gone (level 2: the weights too)
+    compat.exercised("sleep", asleep=llm.engine.sleep_level == level)
     llm.wake_up()
     warm = run(llm)
     assert warm.num_cached_tokens == num_blocks * BLOCK
+    compat.exercised("offload", loaded_tokens=warm.num_cached_tokens)
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -99,7 +99,7 @@ def test_unservable_adapters_fail_at_load(lora_llm, tmp_path):
 
 
 @pytest.mark.milestone("m22")
-def test_adapter_on_the_gguf_blocks_matches_peft_merged_model():
+def test_adapter_on_the_gguf_blocks_matches_peft_merged_model(compat):
     """With `--enable-lora` a GGUF model keeps its blocks: each projection multiplies with its
     blocks in the native kernel and adds the adapter's delta in float32, and the answers are
     PEFT's on the float32 model merged with the same adapter."""
@@ -114,16 +114,20 @@ def test_adapter_on_the_gguf_blocks_matches_peft_merged_model():
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     ours = token_ids(llm.generate(ids, params, use_tqdm=False, lora_request=lora("a", 1, 1)))
     assert ours == peft_greedy(adapter_dir(1), ids, params.max_tokens)
-    assert ours != token_ids(llm.generate(ids, params, use_tqdm=False))
+    base = token_ids(llm.generate(ids, params, use_tqdm=False))
+    assert ours != base
+    compat.exercised("lora", output=ours, base=base)
+    compat.exercised("gguf", quantization=llm.engine.loaded.quantization)
 
 
-def test_lora_needs_enable_lora_and_no_quantization(llm):
+def test_lora_needs_enable_lora_and_no_quantization(llm, compat):
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(PROMPTS[0], lora_request=lora("a", 1, 1), use_tqdm=False)
     from nanollmserve import EngineConfig
 
-    with pytest.raises(UserError, match="--quantization"):
+    with pytest.raises(UserError, match="--quantization") as error:
         EngineConfig(enable_lora=True, quantization="int8")
+    compat.refused("int8", "lora", str(error.value))
 
 
 def _adapter_of_another_model(out_dir):

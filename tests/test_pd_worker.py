@@ -8,6 +8,7 @@ a store is refused at start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,7 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from live_server import LiveServer, shared_server
+
+from nanollmserve.engine.kv_block_format import deserialize_block
 
 pytestmark = pytest.mark.milestone("m26")
 
@@ -166,7 +170,9 @@ def test_a_corrupt_block_is_recomputed_never_used(workers, store):
     handed = first.json()["kv_transfer_params"]
     blocks = chain_order(store_files(store) - before)
     assert len(blocks) == handed["remote_blocks"] >= 3
-    data = bytearray(blocks[1].read_bytes())
+    intact = blocks[1].read_bytes()
+    written_header, written_kv = deserialize_block(intact)
+    data = bytearray(intact)
     data[-1] ^= 0xFF  # one bit pattern of the second block's K/V payload
     blocks[1].write_bytes(bytes(data))
 
@@ -178,10 +184,22 @@ def test_a_corrupt_block_is_recomputed_never_used(workers, store):
     # Only the block before the corrupt one was loaded. The corrupt file was deleted, then
     # written again, intact, by the decode worker's write-through of what it recomputed.
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCK_SIZE
-    deadline = time.monotonic() + 30
-    while blocks[1].exists() and blocks[1].read_bytes() == data and time.monotonic() < deadline:
+    # The rewrite lands by a rename, so a file that is there is whole: wait for one that is
+    # not the corrupt bytes, then read it back as a block.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if blocks[1].read_bytes() != data:
+                break
         time.sleep(0.1)
-    assert not blocks[1].exists() or blocks[1].read_bytes() != data
+    assert blocks[1].exists(), "the recomputed block was never written back"
+    rewritten = blocks[1].read_bytes()
+    assert rewritten != data, "the corrupt block is still there"
+    header, kv = deserialize_block(rewritten)  # magic, lengths and checksum hold
+    assert header == written_header  # the same layout, tokens and place in the chain
+    # The decode worker's K/V for those tokens: the prefill worker's, up to the rounding of
+    # a prefill that started at the block instead of at the prompt's first token.
+    torch.testing.assert_close(kv, written_kv)
 
 
 HOSTILE = [
@@ -268,9 +286,10 @@ def test_a_role_without_a_store_is_refused_at_start(role):
     assert done.returncode == 2 and "--kv-offload-dir" in done.stderr, done.stderr
 
 
-def test_a_role_with_tensor_parallelism_is_refused_at_start(tmp_path):
+def test_a_role_with_tensor_parallelism_is_refused_at_start(tmp_path, compat):
     command = [sys.executable, "-m", "nanollmserve.cli.main", "serve", "--kv-role", "decode"]
     command += ["--kv-offload-dir", str(tmp_path), "--tensor-parallel-size", "2"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANOLLMSERVE_")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and "tensor parallelism" in done.stderr, done.stderr
+    compat.refused("tp", "pd", done.stderr)

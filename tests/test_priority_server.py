@@ -93,13 +93,14 @@ def test_high_priority_request_preempts_a_full_pool_and_finishes_first(server):
         assert texts[f"low{i}"] == _completion(client, prompt, LOW_TOKENS, 0).choices[0].text
 
 
-def test_priority_on_chat_responses_and_grpc(server):
+def test_priority_on_chat_responses_and_grpc(server, compat):
     client = server.openai(strict=True)
     messages = [{"role": "user", "content": "Say hi"}]
-    chat = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model="", messages=messages, max_tokens=3, temperature=0, extra_body={"priority": -7}
     )
-    assert chat.choices[0].message.content
+    assert raw.parse().choices[0].message.content
+    compat.exercised("priority", admitted=(-7, raw.status_code))
     response = client.responses.create(
         input="Say hi", max_output_tokens=3, temperature=0, extra_body={"priority": 2**31 - 1}
     )
@@ -112,10 +113,12 @@ def test_priority_on_chat_responses_and_grpc(server):
                 reply = await grpc_client.generate(
                     "Hello", max_tokens=3, temperature=0, priority=priority
                 )
-                out.append(reply.text)
+                out.append(reply)
             return out
 
-    assert len(set(asyncio.run(grpc_calls()))) == 1
+    replies = asyncio.run(grpc_calls())
+    assert len({reply.text for reply in replies}) == 1
+    compat.exercised("grpc", reply=replies[0])  # priority -2**31, which fcfs would refuse
 
 
 HOSTILE = [
@@ -171,7 +174,7 @@ def test_fcfs_server_refuses_a_nonzero_priority():
         call(0)  # the default is accepted
 
 
-def test_grpc_priority_on_a_fcfs_server_is_invalid_argument():
+def test_grpc_priority_on_a_fcfs_server_is_invalid_argument(compat):
     grpc_port = free_port()
     live = LiveServer.start("--num-kv-blocks", "64", "--grpc-port", str(grpc_port))
     try:
@@ -184,5 +187,7 @@ def test_grpc_priority_on_a_fcfs_server_is_invalid_argument():
             asyncio.run(call())
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "priority" in error.value.details()
+        compat.exercised("grpc", reply=error.value)
+        compat.exercised("priority", refused=error.value.details())
     finally:
         live.stop()

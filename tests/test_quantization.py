@@ -87,7 +87,7 @@ def test_quantize_model_rejects_unknown_methods():
         quantize_model(nn.Sequential(nn.Linear(4, 4)), "int4")
 
 
-def test_cli_rejects_an_unknown_quantization_in_one_line():
+def test_cli_rejects_an_unknown_quantization_in_one_line(compat):
     proc = subprocess.run(
         [sys.executable, "-m", "nanollmserve.cli.main", "generate", "--prompt", "hi",
          "--quantization", "int4"],
@@ -98,3 +98,4 @@ def test_cli_rejects_an_unknown_quantization_in_one_line():
         "nanollmserve: error: quantization must be int8 or fp16 or gguf or none (or unset), "
         "got 'int4'"
     )
+    compat.refused("gguf", "int8", proc.stderr)

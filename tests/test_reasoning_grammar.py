@@ -10,6 +10,7 @@ import pytest
 from reasoning_model import ANSWER, THINKING, make_reasoning_model
 
 from nanollmserve import LLM, SamplingParams
+from nanollmserve.api.reasoning_parsers import Qwen3ReasoningParser
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids
 from nanollmserve.structured_outputs import StructuredOutputsParams, ThinkingSpan
 
@@ -17,7 +18,14 @@ pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(300)]
 
 CHOICES = ["yes", "no"]
 MESSAGES = [{"role": "user", "content": "Is it ok?"}]
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"verdict": {"enum": ["yes", "no"]}},
+    "required": ["verdict"],
+    "additionalProperties": False,
+}
+"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
+VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +55,15 @@ def test_unconstrained_output_is_the_script(llm) -> None:
     assert output.outputs[0].text == f"<think>{THINKING}</think>{ANSWER}"
 
 
-def test_choice_applies_after_the_thinking_the_model_opens(llm) -> None:
+def test_choice_applies_after_the_thinking_the_model_opens(llm, compat) -> None:
     grammar = StructuredOutputsParams(choice=CHOICES, after_thinking=_span(llm, False))
     text = _generate(llm, _prompt(llm), grammar)
     head = f"<think>{THINKING}</think>"
     assert text.startswith(head), text
     assert text[len(head) :] in CHOICES
+    reasoning, answer = Qwen3ReasoningParser().parse(text)  # what the server would split
+    compat.exercised("reasoning", reasoning_content=reasoning)
+    compat.exercised("structured", output=answer, choice=CHOICES)
 
 
 def test_without_the_span_the_grammar_holds_from_the_first_token(llm) -> None:
@@ -67,18 +78,20 @@ def test_json_schema_after_thinking_the_prompt_opened(llm) -> None:
     text = _generate(llm, prompt, grammar)
     thinking, answer = text.split("</think>")
     assert thinking == THINKING
-    assert json.loads(answer) == {"ok": True}
+    assert json.loads(answer) in VERDICTS, answer
 
 
 def test_thinking_closed_by_the_template_leaves_the_grammar_on(llm) -> None:
     """enable_thinking false: the prompt closed the thinking; a span opening-or-not still
-    lets only the grammar's tokens or `<think>` first, and the model answers in the grammar."""
+    lets only the grammar's tokens or `<think>` first, and the model answers in the grammar
+    (unconstrained, it would answer ANSWER: `test_offline_chat_takes_the_template_extras`)."""
     prompt = _prompt(llm, enable_thinking=False)
     grammar = StructuredOutputsParams(json=SCHEMA, after_thinking=_span(llm, False))
-    assert json.loads(_generate(llm, prompt, grammar)) == {"ok": True}
+    text = _generate(llm, prompt, grammar)
+    assert json.loads(text) in VERDICTS, text
 
 
-def test_ngram_drafts_across_the_end_of_thinking(tmp_path) -> None:
+def test_ngram_drafts_across_the_end_of_thinking(tmp_path, compat) -> None:
     """The prompt holds the script, so ngram drafts run through `</think>`: drafts are cut
     at the phase change and the output equals the unspeculated one."""
     model_dir = make_reasoning_model(tmp_path)
@@ -91,6 +104,9 @@ def test_ngram_drafts_across_the_end_of_thinking(tmp_path) -> None:
     assert text == f"<think>{THINKING}</think>" + text.rsplit("</think>", 1)[1]
     assert text.rsplit("</think>", 1)[1] in CHOICES
     assert drafting.engine.stats().spec_decode.num_accepted_tokens > 0
+    compat.exercised("spec", num_drafts=drafting.engine.stats().spec_decode.num_drafts)
+    reasoning, _ = Qwen3ReasoningParser().parse(text)  # what the server would split
+    compat.exercised("reasoning", reasoning_content=reasoning)
 
 
 def test_offline_chat_takes_the_template_extras(llm) -> None:

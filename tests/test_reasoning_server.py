@@ -22,6 +22,14 @@ pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(300)]
 
 MESSAGES = [{"role": "user", "content": "Is it ok?"}]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+VERDICT = {
+    "type": "object",
+    "properties": {"verdict": {"enum": ["yes", "no"]}},
+    "required": ["verdict"],
+    "additionalProperties": False,
+}
+"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
+VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +39,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
+    grpc_port = free_port()
     live = LiveServer.start(
         str(model_dir), "--num-kv-blocks", "64", "--reasoning-parser", "qwen3",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--grpc-port", str(grpc_port),
     )  # fmt: skip
+    live.grpc_target = f"127.0.0.1:{grpc_port}"
     yield live
     live.stop()
 
@@ -83,11 +93,16 @@ def test_enable_thinking_false_per_request(server) -> None:
     assert message.choices[0].message.content == ANSWER
 
 
-def test_json_schema_applies_after_the_thinking(server) -> None:
-    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+def test_json_schema_applies_after_the_thinking(server, compat) -> None:
+    """The model's own answer breaks the schema: the grammar must shape it, after thinking
+    that the grammar would have refused."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": VERDICT}}
     message = chat(server, response_format=response_format).choices[0].message
     assert message.reasoning_content == THINKING
-    assert json.loads(message.content) == {"ok": True}
+    assert message.content != ANSWER
+    assert json.loads(message.content) in VERDICTS, message.content
+    compat.exercised("reasoning", reasoning_content=message.reasoning_content)
+    compat.exercised("structured", output=message.content, schema=VERDICT)
 
 
 def test_choice_grammar_constrains_the_answer_not_the_thinking(server) -> None:
@@ -200,12 +215,20 @@ def test_default_kwargs_and_request_override(no_think_server) -> None:
     assert message.reasoning_content == THINKING and message.content == ANSWER
 
 
-def test_default_kwargs_reach_grpc_chats(no_think_server) -> None:
-    async def main():
-        async with await connect(no_think_server.grpc_target) as client:
-            return await client.generate(messages=MESSAGES, max_tokens=20, temperature=0)
+def test_default_kwargs_reach_grpc_chats(server, no_think_server, compat) -> None:
+    """A gRPC chat thinks where the server's default does (the parser splits the thinking
+    off) and answers at once where the default turns thinking off."""
 
-    assert asyncio.run(main()).text == ANSWER
+    async def main(live):
+        async with await connect(live.grpc_target) as client:
+            return await client.generate(messages=MESSAGES, max_tokens=40, temperature=0)
+
+    thinking = asyncio.run(main(server))
+    assert (thinking.reasoning_content, thinking.text) == (THINKING, ANSWER)
+    compat.exercised("grpc", reply=thinking)
+    compat.exercised("reasoning", reasoning_content=thinking.reasoning_content)
+    off = asyncio.run(main(no_think_server))
+    assert (off.reasoning_content, off.text) == ("", ANSWER)
 
 
 def test_bad_default_kwargs_flag_fails_at_start(model_dir) -> None:

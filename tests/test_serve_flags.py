@@ -286,10 +286,20 @@ def test_grpc_takes_the_same_certificate(tls_server, tls_files):
 
     port = re.search(r"grpc=127\.0\.0\.1:(\d+)", tls_server.log()).group(1)
     credentials = grpc.ssl_channel_credentials(tls_files["cert"].read_bytes())
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
     with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        metadata = (("authorization", f"Bearer {API_KEY}"),)
-        assert stub.Health(pb.HealthRequest(), metadata=metadata, timeout=30) is not None
+        health = pb_grpc.GenerationStub(channel).Health(
+            pb.HealthRequest(), metadata=metadata, timeout=30
+        )
+    assert health.healthy is True
+    assert health.model == "env-model"  # the served name from the environment, as on HTTP
+    # The port speaks TLS only: a plaintext channel to it never gets an answer.
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+        pytest.raises(grpc.RpcError) as plaintext,
+    ):
+        pb_grpc.GenerationStub(channel).Health(pb.HealthRequest(), metadata=metadata, timeout=10)
+    assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE, plaintext.value
 
 
 def test_cors_preflight_for_the_configured_origin_only(tls_server):
@@ -358,9 +368,18 @@ def test_openai_sdk_with_a_base_url_without_v1(plain_server):
     import openai
 
     client = openai.OpenAI(base_url=plain_server.url, api_key=API_KEY, max_retries=0)
-    model = client.models.list().data[0].id
-    completion = client.completions.create(model=model, prompt="A", max_tokens=2)
-    assert completion.choices[0].text is not None
+    [model] = [m.id for m in client.models.list().data]
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 2}
+    completion = client.completions.create(**body, temperature=0)
+    assert completion.object == "text_completion" and completion.model == model
+    [choice] = completion.choices
+    assert choice.finish_reason == "length" and completion.usage.completion_tokens == 2
+    assert choice.text.strip(), completion
+    # The same greedy text as the /v1 route gives.
+    with plain_server.client() as http:
+        v1 = http.post("/v1/completions", json={**body, "temperature": 0})
+    assert v1.status_code == 200, v1.text
+    assert choice.text == v1.json()["choices"][0]["text"]
 
 
 def test_request_log_line_without_the_prompt(plain_server):

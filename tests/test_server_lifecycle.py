@@ -50,7 +50,7 @@ def test_ready_line_and_sigterm_lets_running_requests_finish():
         assert len(ready) == 1
         assert re.search(
             rf"http://127\.0\.0\.1:{server.port} model=tiny device=cpu dtype=float32 "
-            r"kv_blocks=64x16 tokens max_model_len=1024 ready_in=[\d.]+s",
+            r"quantization=gguf kv_blocks=64x16 tokens max_model_len=1024 ready_in=[\d.]+s",
             ready[0],
         ), ready[0]
         models = httpx.get(f"{server.url}/v1/models").json()["data"]

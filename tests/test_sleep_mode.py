@@ -243,7 +243,7 @@ def test_wake_up_tags_are_refused(server):
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "tags"
 
 
-def test_grpc_requests_while_asleep_are_unavailable(server):
+def test_grpc_requests_while_asleep_are_unavailable(server, compat):
     async def generate():
         async with await connect(server.grpc_target, api_key=API_KEY) as client:
             return await client.generate(PROMPT, max_tokens=4, temperature=0)
@@ -254,13 +254,15 @@ def test_grpc_requests_while_asleep_are_unavailable(server):
             asyncio.run(generate())
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "sleeping" in info.value.details()
+        compat.exercised("grpc", reply=info.value)
+        compat.exercised("sleep", asleep="sleeping" in info.value.details())
     finally:
         assert post(server, "/wake_up").status_code == 200
     assert asyncio.run(generate()).text
 
 
 @pytest.mark.timeout(300)
-def test_the_router_passes_a_sleeping_workers_503_on(server):
+def test_the_router_passes_a_sleeping_workers_503_on(server, compat):
     port = free_port()
     router = ClusterProcess.start(
         "router", port, "--port", str(port), "--worker", server.url, "--health-interval", "0.5",
@@ -271,9 +273,12 @@ def test_the_router_passes_a_sleeping_workers_503_on(server):
         assert post(server, "/sleep", level="1").status_code == 200
         # /health stays 200 (the worker is alive), so the router keeps it; the request gets
         # the worker's 503 and Retry-After (another worker would have taken it over).
-        assert_sleeping_503(completion(router.url, router.headers))
+        asleep = completion(router.url, router.headers)
+        assert_sleeping_503(asleep)
+        compat.exercised("sleep", asleep=asleep.json()["error"]["code"] == "engine_sleeping")
         assert post(server, "/wake_up").status_code == 200
         assert completion(router.url, router.headers).status_code == 200
+        compat.exercised("router", routed=router.stats()["workers"][0]["num_routed"])
     finally:
         assert router.stop() == 0
 

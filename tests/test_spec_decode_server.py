@@ -82,7 +82,7 @@ CONSTRAINED = {
 }
 
 
-def test_structured_output_with_drafts_answers_as_without(server):
+def test_structured_output_with_drafts_answers_as_without(server, compat):
     reference_server = shared_server()  # no speculation
     model = MODEL
 
@@ -105,9 +105,12 @@ def test_structured_output_with_drafts_answers_as_without(server):
     assert expected["unconstrained"][0] != text
 
     # Alone: the constrained request gets drafts and keeps some.
-    before = server.stats()["spec_decode"]["num_accepted_tokens"]
+    before = server.stats()["spec_decode"]
     assert ask(server, JSON).choices[0].message.content == text
-    assert server.stats()["spec_decode"]["num_accepted_tokens"] - before >= 8
+    assert server.stats()["spec_decode"]["num_accepted_tokens"] - before["num_accepted_tokens"] >= 8
+    drafts = server.stats()["spec_decode"]["num_drafts"] - before["num_drafts"]
+    compat.exercised("spec", num_drafts=drafts)
+    compat.exercised("structured", output=text, schema=SCHEMA)
 
     # n > 1 and a stop string inside a drafted run: as without speculation.
     assert answers(server, n=2) == answers(reference_server, n=2)

@@ -44,7 +44,7 @@ def accepted_tokens(llm: LLM) -> int:
     return llm.engine.stats().spec_decode.num_accepted_tokens
 
 
-def test_greedy_constrained_batch_equals_no_speculation(llm, spec_llm):
+def test_greedy_constrained_batch_equals_no_speculation(llm, spec_llm, compat):
     params = [greedy(structured_outputs=so) for so in CONSTRAINTS] + [greedy()]
     reference = llm.chat([ASK_JSON] * len(params), params, use_tqdm=False)
     before = accepted_tokens(spec_llm)
@@ -60,9 +60,13 @@ def test_greedy_constrained_batch_equals_no_speculation(llm, spec_llm):
 
     # A constrained request alone gets drafts, and the target keeps some.
     before = accepted_tokens(spec_llm)
+    drafts = spec_llm.engine.stats().spec_decode.num_drafts
     alone = spec_llm.chat([ASK_JSON], params[0], use_tqdm=False)
     assert token_ids(alone) == token_ids(reference[:1])
     assert accepted_tokens(spec_llm) - before >= 8
+    drafts = spec_llm.engine.stats().spec_decode.num_drafts - drafts
+    compat.exercised("spec", num_drafts=drafts)
+    compat.exercised("structured", output=alone[0].outputs[0].text, schema=SCHEMA)
     assert_no_leak(spec_llm)
 
 

@@ -68,7 +68,9 @@ def test_tiny_models_sharded_answer_like_one_rank(case: str, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_a_quantized_kv_cache_shards_like_one_rank(kv_cache_dtype: str, tmp_path: Path) -> None:
+def test_a_quantized_kv_cache_shards_like_one_rank(
+    kv_cache_dtype: str, tmp_path: Path, compat
+) -> None:
     """Each rank writes and reads its own KV heads quantized (a scale per token and KV head),
     so two ranks answer as one rank with the same quantized cache."""
     make_tiny_hf_model(LlamaConfig, tmp_path)
@@ -83,6 +85,8 @@ def test_a_quantized_kv_cache_shards_like_one_rank(kv_cache_dtype: str, tmp_path
     with LLM(str(tmp_path), tensor_parallel_size=2, **engine_args) as sharded:
         assert sharded.engine.model_runner.kv_scales is not None
         got = token_ids(sharded.generate(prompts, params, use_tqdm=False))
+        compat.exercised("tp", ranks=compat.ranks_running())
+        compat.exercised("kvdtype", kv_cache_dtype=sharded.engine.model_runner.kv_cache.dtype)
     assert got == expected
     assert all(len(set(ids)) > 1 for ids in got)
 
@@ -108,9 +112,10 @@ def test_more_ranks_than_gpus_is_a_clear_error(tiny_llama_dir: Path) -> None:
     check_tensor_parallel(config, model_config, cuda_device_count=4)  # enough: no error
 
 
-def test_quantization_with_tensor_parallelism_is_rejected(tiny_llama_dir: Path) -> None:
-    with pytest.raises(UserError, match="tensor parallelism with --quantization"):
+def test_quantization_with_tensor_parallelism_is_rejected(tiny_llama_dir: Path, compat) -> None:
+    with pytest.raises(UserError, match="tensor parallelism with --quantization") as error:
         LLM(str(tiny_llama_dir), quantization="int8", tensor_parallel_size=2)
+    compat.refused("tp", "int8", str(error.value))
 
 
 # The bundled three-rank tests come last: their module-scoped engine holds this process's

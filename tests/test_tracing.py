@@ -158,7 +158,7 @@ def test_two_prompts_are_one_span_with_both_requests(traced) -> None:
     assert list(by_request.values()) == [EVENTS, EVENTS]
 
 
-def test_responses_and_messages_are_chat_spans_and_other_routes_have_none(traced) -> None:
+def test_responses_and_messages_are_chat_spans_and_other_routes_have_none(traced, compat) -> None:
     client = traced.client
     headers = {"traceparent": TRACEPARENT}
     answer = client.post(
@@ -174,8 +174,11 @@ def test_responses_and_messages_are_chat_spans_and_other_routes_have_none(traced
     assert message.status_code == 200, message.text
     generate = client.post("/generate", json={"prompt": "Hi", "max_tokens": 3})
     assert generate.status_code == 200, generate.text
-    responses_span, messages_span, generate_span = traced.spans(3)
+    spans = traced.spans(3)
+    responses_span, messages_span, generate_span = spans
     assert responses_span.name == messages_span.name == "chat tiny"
+    compat.exercised("messages", message=message.json())
+    compat.exercised("tracing", spans=len(spans))
     assert generate_span.name.startswith("text_completion ")
     assert f"{responses_span.context.trace_id:032x}" == TRACE_ID
     usage = message.json()["usage"]
@@ -249,14 +252,17 @@ def test_bad_requests_are_traced_with_their_status_and_the_server_goes_on(
     traced.spans(1)
 
 
-def test_embeddings_span() -> None:
+def test_embeddings_span(compat) -> None:
     server = Traced(runner="pooling")
     try:
         reply = server.openai().embeddings.create(
             model="tiny", input=["a b c", "d"], extra_headers={"traceparent": TRACEPARENT}
         )
-        [span] = server.spans(1)
+        spans = server.spans(1)
+        [span] = spans
         assert span.name == "embeddings tiny"
+        compat.exercised("tracing", spans=len(spans))
+        compat.exercised("embed", embedding=reply.data[0].embedding)
         assert f"{span.context.trace_id:032x}" == TRACE_ID
         assert span.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
         assert span.attributes["gen_ai.usage.output_tokens"] == 0
@@ -264,7 +270,7 @@ def test_embeddings_span() -> None:
         server.close()
 
 
-def test_grpc_calls_are_spans_in_the_callers_trace(traced) -> None:
+def test_grpc_calls_are_spans_in_the_callers_trace(traced, compat) -> None:
     async def calls():
         server, port = await start_grpc_server(
             traced.engine, "127.0.0.1", 0, model_name="tiny", tracer=traced.tracer
@@ -285,7 +291,10 @@ def test_grpc_calls_are_spans_in_the_callers_trace(traced) -> None:
             await server.stop(0)
 
     reply = asyncio.run(calls())
-    chat_span, hostile_span, bad_span = traced.spans(3)
+    spans = traced.spans(3)
+    chat_span, hostile_span, bad_span = spans
+    compat.exercised("grpc", reply=reply)
+    compat.exercised("tracing", spans=len(spans))
     assert chat_span.name == "chat tiny" and chat_span.kind == SpanKind.SERVER
     assert f"{chat_span.context.trace_id:032x}" == TRACE_ID
     assert chat_span.attributes["rpc.method"] == "Generate"
@@ -297,28 +306,35 @@ def test_grpc_calls_are_spans_in_the_callers_trace(traced) -> None:
     assert not bad_span.status.is_ok
 
 
-def test_structured_output_with_speculative_decoding_is_traced() -> None:
-    server = Traced(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_structured_output_with_speculative_decoding_is_traced(compat) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    server = Traced(speculative_config=spec)
+    # Each choice repeats a word: the ngram drafts its next repetition (within the grammar).
+    choices = ["la la la la la", "no no no no no"]
     try:
         chat = server.openai().chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "Pick one"}],
-            max_tokens=8,
+            max_tokens=12,
             temperature=0,
-            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+            extra_body={"structured_outputs": {"choice": choices}},
             extra_headers={"traceparent": TRACEPARENT},
         )
-        assert chat.choices[0].message.content in ("yes", "no")
-        [span] = server.spans(1)
-        assert span.name == "chat tiny"
-        assert f"{span.context.trace_id:032x}" == TRACE_ID
-        assert span.attributes["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens
-        _check_events(span)
+        assert chat.choices[0].message.content in choices
+        spans = server.spans(1)
+        assert spans[0].name == "chat tiny"
+        assert f"{spans[0].context.trace_id:032x}" == TRACE_ID
+        assert spans[0].attributes["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens
+        _check_events(spans[0])
+        compat.exercised("tracing", spans=len(spans))
+        compat.exercised("structured", output=chat.choices[0].message.content, choice=choices)
+        drafts = server.engine.stats().engine.spec_decode.num_drafts
+        compat.exercised("spec", num_drafts=drafts)
     finally:
         server.close()
 
 
-def test_a_lora_request_names_its_adapter(tmp_path) -> None:
+def test_a_lora_request_names_its_adapter(tmp_path, compat) -> None:
     from lora_adapters import make_adapter
     from transformers import AutoModelForCausalLM
 
@@ -330,22 +346,31 @@ def test_a_lora_request_names_its_adapter(tmp_path) -> None:
         completion = server.openai().completions.create(
             model="tiny-lora", prompt="Hi", max_tokens=3, temperature=0
         )
-        [span] = server.spans(1)
+        spans = server.spans(1)
+        [span] = spans
         assert span.name == "text_completion tiny-lora"
         assert span.attributes["gen_ai.request.model"] == "tiny-lora"
         assert span.attributes["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens
+        compat.exercised("tracing", spans=len(spans))
+        base = server.openai().completions.create(
+            model="tiny", prompt="Hi", max_tokens=3, temperature=0
+        )
+        compat.exercised("lora", output=completion.choices[0].text, base=base.choices[0].text)
     finally:
         server.close()
 
 
-def test_the_bundled_models_gguf_blocks_are_traced() -> None:
+def test_the_bundled_models_gguf_blocks_are_traced(compat) -> None:
     server = Traced(model=None, dtype="auto", quantization="gguf")
     try:
         assert server.engine.info.quantization == "gguf"
+        compat.exercised("gguf", quantization=server.engine.info.quantization)
         chat = server.openai().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
         )
-        [span] = server.spans(1)
+        spans = server.spans(1)
+        compat.exercised("tracing", spans=len(spans))
+        [span] = spans
         assert span.name == "chat tiny"
         assert span.attributes["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens
         _check_events(span)

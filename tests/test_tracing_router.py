@@ -148,7 +148,7 @@ def _three_spans(receiver: OtlpReceiver, trace_id: str) -> dict[str, dict]:
     return {"router": server, "call": call, "worker": worker}
 
 
-def test_one_trace_shows_router_then_worker_from_the_clients_parent(traced_cluster) -> None:
+def test_one_trace_shows_router_then_worker_from_the_clients_parent(traced_cluster, compat) -> None:
     cluster, receiver = traced_cluster
     chat = cluster.openai().chat.completions.create(
         model="tiny",
@@ -173,6 +173,8 @@ def test_one_trace_shows_router_then_worker_from_the_clients_parent(traced_clust
     assert attributes["gen_ai.usage.input_tokens"] == chat.usage.prompt_tokens
     assert attributes["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens
     assert worker["events"] == ["queued", "scheduled", "first_token", "finished"]
+    compat.exercised("tracing", spans=len(spans))
+    compat.exercised("router", routed=sum(w["num_routed"] for w in cluster.stats()["workers"]))
 
 
 def test_a_streamed_request_without_traceparent_gets_one_trace_across_both(
