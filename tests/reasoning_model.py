@@ -18,6 +18,14 @@ TEMPLATE = Path(__file__).parent / "data" / "qwen3_chat_template.jinja"
 THINKING = "Consider quickly"
 ANSWER = '{"ok": true}'
 SCRIPT = f"<think>{THINKING}</think>{ANSWER}"
+VERDICT_SCHEMA = {
+    "type": "object",
+    "properties": {"verdict": {"enum": ["yes", "no"]}},
+    "required": ["verdict"],
+    "additionalProperties": False,
+}
+"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
+VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
 
 
 def make_reasoning_model(out_dir: Path, seed: int = 0) -> Path:

@@ -24,7 +24,7 @@ import anthropic
 import pytest
 import torch
 from cluster_process import tiny_model_dir
-from reasoning_model import ANSWER, THINKING, make_reasoning_model
+from reasoning_model import ANSWER, THINKING, VERDICT_SCHEMA, VERDICTS, make_reasoning_model
 from test_compat_recorder import RecordedServer
 
 from nanollmserve import LLM
@@ -38,16 +38,9 @@ SCHEMA = {
     "type": "json_schema",
     "json_schema": {
         "name": "verdict",
-        "schema": {
-            "type": "object",
-            "properties": {"verdict": {"enum": ["yes", "no"]}},
-            "required": ["verdict"],
-            "additionalProperties": False,
-        },
+        "schema": VERDICT_SCHEMA,
     },
 }
-"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
-VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
 
 
 @pytest.fixture(scope="module")
@@ -259,9 +252,7 @@ def test_prompt_logprobs_compute_the_prompt_instead_of_reading_the_store(restart
     )
 
 
-def test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store(
-    restarted, tmp_path, compat
-):
+def test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store(restarted, tmp_path):
     # The first server computed every prefix: its record replays although the directory now
     # holds them (a replay reads no directory unless told to).
     replays_identically(replay(restarted.first_record))

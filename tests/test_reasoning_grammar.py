@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from reasoning_model import ANSWER, THINKING, make_reasoning_model
+from reasoning_model import ANSWER, THINKING, VERDICT_SCHEMA, VERDICTS, make_reasoning_model
 
 from nanollmserve import LLM, SamplingParams
 from nanollmserve.api.reasoning_parsers import Qwen3ReasoningParser
@@ -18,14 +18,7 @@ pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(300)]
 
 CHOICES = ["yes", "no"]
 MESSAGES = [{"role": "user", "content": "Is it ok?"}]
-SCHEMA = {
-    "type": "object",
-    "properties": {"verdict": {"enum": ["yes", "no"]}},
-    "required": ["verdict"],
-    "additionalProperties": False,
-}
-"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
-VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
+SCHEMA = VERDICT_SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 from live_server import LiveServer, free_port
-from reasoning_model import ANSWER, THINKING, make_reasoning_model
+from reasoning_model import ANSWER, THINKING, VERDICT_SCHEMA, VERDICTS, make_reasoning_model
 
 from nanollmserve.api.grpc_client import connect
 
@@ -22,14 +22,7 @@ pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(300)]
 
 MESSAGES = [{"role": "user", "content": "Is it ok?"}]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-VERDICT = {
-    "type": "object",
-    "properties": {"verdict": {"enum": ["yes", "no"]}},
-    "required": ["verdict"],
-    "additionalProperties": False,
-}
-"""A schema the script's own answer (`{"ok": true}`) breaks: an answer in it is the grammar's."""
-VERDICTS = [{"verdict": "yes"}, {"verdict": "no"}]
+VERDICT = VERDICT_SCHEMA
 
 
 @pytest.fixture(scope="module")
