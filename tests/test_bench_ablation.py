@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_bench_serve import run_bench
 
-pytestmark = pytest.mark.milestone("m12")
+pytestmark = [pytest.mark.milestone("m12"), pytest.mark.slow]
 
 
 def test_bench_ablation_runs_all_five_systems(tmp_path):

@@ -14,6 +14,7 @@ from bench_cli import run_bench
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.milestone("m03")
 def test_bench_latency_reports_engine_and_both_hf_baselines():
     # 40 prompt tokens = 2 full blocks of 16: with one prompt reused, repeat 2 would hit the
@@ -128,6 +129,7 @@ def test_bench_summary_labels_each_llamacpp_row_by_the_server_it_measured(tmp_pa
     assert "output tok/s ours / llama.cpp llama-server = 1.00" in out
 
 
+@pytest.mark.slow
 @pytest.mark.milestone("m04")
 def test_bench_throughput_reports_engine_and_static_batching(tmp_path):
     out = tmp_path / "throughput.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_bench_serve import run_bench
 
-pytestmark = [pytest.mark.milestone("m12"), pytest.mark.milestone("m08")]
+pytestmark = [pytest.mark.milestone("m12"), pytest.mark.milestone("m08"), pytest.mark.slow]
 
 
 def test_bench_prefix_reports_warm_hits_and_both_ttfts(tmp_path):

@@ -19,7 +19,7 @@ from nanollmserve.bench.serve_workloads import (
     sharegpt_workload,
 )
 
-pytestmark = pytest.mark.milestone("m12")
+pytestmark = [pytest.mark.milestone("m12"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

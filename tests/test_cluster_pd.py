@@ -43,7 +43,7 @@ from cluster_process import (
 from live_server import LiveServer, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = [pytest.mark.milestone("m26"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.milestone("m26"), pytest.mark.timeout(600), pytest.mark.slow]
 
 MODEL_ARGS = ["--num-kv-blocks", "256", "--disable-log-requests"]
 SYSTEM = (

@@ -23,7 +23,7 @@ from cluster_process import (
 from live_server import free_port
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.milestone("m13")
+pytestmark = [pytest.mark.milestone("m13"), pytest.mark.slow]
 
 
 def test_a_killed_worker_actor_is_restarted_by_ray_and_serves_again() -> None:

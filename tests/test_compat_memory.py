@@ -252,11 +252,32 @@ def test_prompt_logprobs_compute_the_prompt_instead_of_reading_the_store(restart
     )
 
 
-def test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store(restarted, tmp_path):
+def prompt_tokens_not_computed(record_lines) -> dict[str, int]:
+    """Per request in a flight record: prompt tokens its prefill steps did not compute (read
+    from the pool or the store)."""
+    steps = [json.loads(line) for line in record_lines][1:]
+    prompts = {a["request_id"]: len(a["prompt_token_ids"]) for s in steps for a in s["arrivals"]}
+    computed = dict.fromkeys(prompts, 0)
+    for step in steps:
+        for entry in step["batch"]:
+            if entry["phase"] == "prefill":
+                computed[entry["request_id"]] += entry["num_tokens"]
+    return {rid: prompts[rid] - computed[rid] for rid in prompts}
+
+
+def test_records_of_the_store_servers_replay_from_the_pool_or_the_named_store(
+    restarted, tmp_path, compat
+):
     # The first server computed every prefix: its record replays although the directory now
     # holds them (a replay reads no directory unless told to).
     replays_identically(replay(restarted.first_record))
-    # The second read its prefix from the directory: without it the replay computes them...
+    # The second read its first prefix from the directory (its pool started empty), and its
+    # record shows it: that request's prefill skipped the prompt tokens the store held.
+    chat(restarted)  # at least one request, when this test runs alone
+    skipped = prompt_tokens_not_computed(restarted.engine.step_record_lines())
+    compat.exercised("recorder", records=len(skipped))
+    compat.exercised("offload", loaded_tokens=next(iter(skipped.values())))
+    # Without the directory the replay computes those prefixes and says where it differs...
     second = restarted.replay(tmp_path / "second.jsonl")
     assert second.returncode == 1 and "num_tokens recorded" in second.stdout, second.stdout
     # ...and with the directory named on the command line it reads them as the server did.

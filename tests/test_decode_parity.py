@@ -91,6 +91,7 @@ def bf16_device() -> str:
     return "cpu"
 
 
+@pytest.mark.slow
 def test_bundled_model_bfloat16_greedy_matches_transformers_bfloat16() -> None:
     """Served dtype: 64 greedy tokens x 4 chat prompts, engine bf16 vs HF bf16 `generate`.
     Where the two differ, the first differing position must be a tie in HF's own bf16

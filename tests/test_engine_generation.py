@@ -26,6 +26,7 @@ def long_text(num_words: int, seed: int = 0) -> str:
     return " ".join(words[i] for i in picks)
 
 
+@pytest.mark.slow
 @pytest.mark.milestone("m01")
 @pytest.mark.milestone("m03")
 def test_greedy_matches_hugging_face_generate(llm):

@@ -58,6 +58,7 @@ def without_the_block_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gguf_cache, "cached_unblocked_tensors", lambda *args: {})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bundled_first_start_writes_no_dense_weights_and_answers_as_before(
     isolated_cache: Path, monkeypatch: pytest.MonkeyPatch
@@ -87,6 +88,7 @@ def test_bundled_first_start_writes_no_dense_weights_and_answers_as_before(
     assert (entry / "model.safetensors").is_file()  # that load needed the dense weights
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_dense_start_after_the_first_one_converts_the_dense_weights(
     isolated_cache: Path,

@@ -86,6 +86,7 @@ def assert_pool_stays_small(server: LiveServer, prompts: list[str]) -> None:
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sequential_requests_reuse_the_same_blocks_without_prefix_caching():
     """Distinct prompts, nothing cached: every freed block is reused."""
@@ -94,6 +95,7 @@ def test_sequential_requests_reuse_the_same_blocks_without_prefix_caching():
     assert_pool_stays_small(server, prompts[:NUM_REQUESTS])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_repeated_prompt_reuses_its_blocks_with_the_prefix_cache_on():
     """The default server, one prompt sent again and again (greedy): its full prompt blocks

@@ -96,6 +96,7 @@ def test_storing_past_the_byte_bound_evicts_the_oldest(server) -> None:
         assert _stored_size(client, follow_up.json()["id"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rss_stays_bounded_while_many_large_responses_are_stored(server) -> None:
     pid = server.process.pid

@@ -367,10 +367,10 @@ def test_routes_without_v1_answer_like_v1_and_need_the_key(plain_server):
 def test_openai_sdk_with_a_base_url_without_v1(plain_server):
     import openai
 
-    client = openai.OpenAI(base_url=plain_server.url, api_key=API_KEY, max_retries=0)
-    [model] = [m.id for m in client.models.list().data]
-    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 2}
-    completion = client.completions.create(**body, temperature=0)
+    with openai.OpenAI(base_url=plain_server.url, api_key=API_KEY, max_retries=0) as client:
+        [model] = [m.id for m in client.models.list().data]
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 2}
+        completion = client.completions.create(**body, temperature=0)
     assert completion.object == "text_completion" and completion.model == model
     [choice] = completion.choices
     assert choice.finish_reason == "length" and completion.usage.completion_tokens == 2

@@ -112,6 +112,7 @@ def touch_kv_pool(server) -> int:
     return answer.json()["usage"]["prompt_tokens"] * bytes_per_token
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sleep_level_1_frees_the_kv_pool_and_wake_up_serves_the_same_greedy_output(server):
     before = greedy(server)
