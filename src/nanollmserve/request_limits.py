@@ -35,7 +35,15 @@ _HELP = {
     "max_metadata_value_length": "longest `metadata` value, in characters (OpenAI: 512)",
     "max_request_id_length": "longest client request id (HTTP `X-Request-Id`, gRPC "
     "`request_id`), in characters",
+    "max_prompt_logprobs_entries": "most prompt-logprob entries one response may carry: "
+    "prompt tokens x (`prompt_logprobs` + 1) x the copies the response holds (completions: "
+    "one per choice, chat and gRPC: one), over all its prompts; about 70 bytes of JSON each",
+    "max_request_prompt_tokens": "most prompt tokens one request may carry over all its "
+    "prompts or embedding inputs (default: 8 x the context length, --max-model-len)",
 }
+
+REQUEST_PROMPT_CONTEXTS = 8
+"""`max_request_prompt_tokens` left unset: this many full contexts (`max_model_len`)."""
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,18 @@ class RequestLimits:
     max_metadata_key_length: int = 64
     max_metadata_value_length: int = 512
     max_request_id_length: int = 256
+    max_prompt_logprobs_entries: int = 1 << 18
+    max_request_prompt_tokens: int | None = None
+    """None: REQUEST_PROMPT_CONTEXTS x the engine's context length (`prompt_tokens_limit`)."""
 
     def __post_init__(self) -> None:
         if self.max_logprobs == -1:  # vLLM's "no cap": the most the engine returns
             object.__setattr__(self, "max_logprobs", MAX_LOGPROBS)
         for f in fields(self):
-            value, lowest = getattr(self, f.name), 1 if f.name in ("max_n", "max_messages") else 0
-            if not isinstance(value, int) or value < lowest:
+            value, lowest = getattr(self, f.name), 1 if f.name in _AT_LEAST_ONE else 0
+            if value is None and f.name == "max_request_prompt_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise UserError(f"{_flag(f.name)} must be an integer >= {lowest}, got {value!r}")
         if self.max_logprobs > MAX_LOGPROBS:
             raise UserError(f"--max-logprobs must be <= {MAX_LOGPROBS}, got {self.max_logprobs}")
@@ -86,6 +99,49 @@ class RequestLimits:
                     param=name,
                 )
 
+    def prompt_tokens_limit(self, max_model_len: int) -> int:
+        """`max_request_prompt_tokens`, or when unset REQUEST_PROMPT_CONTEXTS full contexts."""
+        if self.max_request_prompt_tokens is not None:
+            return self.max_request_prompt_tokens
+        return REQUEST_PROMPT_CONTEXTS * max_model_len
+
+    def check_prompts(
+        self,
+        prompt_lengths: list[int],
+        params: SamplingParams,
+        max_model_len: int,
+        prompt_logprobs_copies: int | None = None,
+    ) -> None:
+        """Raise ParamError if a request's prompts (their token counts, all of them or the
+        ones tokenized so far) pass a per-request total: `max_request_prompt_tokens`
+        (param `prompt`) or, with prompt logprobs, `max_prompt_logprobs_entries` (param
+        `prompt_logprobs`). `prompt_logprobs_copies`: how many times the response holds a
+        prompt's logprobs (default `params.n`, one per choice)."""
+        total = sum(prompt_lengths)
+        limit = self.prompt_tokens_limit(max_model_len)
+        if total > limit:
+            raise ParamError(
+                f"the request's prompts have {total} tokens in all, more than this server "
+                f"allows in one request (--max-request-prompt-tokens {limit}); send fewer or "
+                f"shorter prompts, or several requests",
+                param="prompt",
+            )
+        if params.prompt_logprobs is None:
+            return
+        copies = params.n if prompt_logprobs_copies is None else prompt_logprobs_copies
+        per_token = params.prompt_logprobs + 1
+        entries = total * per_token * copies
+        if entries > self.max_prompt_logprobs_entries:
+            raise ParamError(
+                f"prompt_logprobs would return {entries} entries ({total} prompt tokens x "
+                f"{per_token} per token x {copies} "
+                f"{'copy' if copies == 1 else 'copies'} in the response), more than this "
+                f"server allows (--max-prompt-logprobs-entries "
+                f"{self.max_prompt_logprobs_entries}); ask for fewer alternatives, choices or "
+                f"prompt tokens",
+                param="prompt_logprobs",
+            )
+
     def check_messages(self, count: int, param: str = "messages") -> None:
         _check(count, self.max_messages, "max_messages", param, "messages")
 
@@ -111,6 +167,9 @@ class RequestLimits:
             _check_length(value, limit, "max_metadata_value_length", "metadata")
         limit = self.max_request_id_length
         _check_length(client_request_id, limit, "max_request_id_length", request_id_param)
+
+
+_AT_LEAST_ONE = ("max_n", "max_messages", "max_request_prompt_tokens")
 
 
 def _check(count: int, limit: int, flag: str, param: str, what: str) -> None:
@@ -144,7 +203,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
             type=int,
             default=f.default,
             metavar="N",
-            help=f"{_HELP[f.name]} (default %(default)s)",
+            help=_HELP[f.name] + ("" if f.default is None else " (default %(default)s)"),
         )
 
 

@@ -1,7 +1,8 @@
 """Admitting engine requests and collecting what they produce: the one layer the HTTP routes
 and the gRPC service share.
 
-- `admit`: one engine request per prompt, all or none (a failure aborts the ones admitted).
+- `admit`: one engine request per prompt, all or none (a failure aborts the ones admitted),
+  after the request's totals (`--max-request-prompt-tokens`, `--max-prompt-logprobs-entries`).
 - `collect_final`: the one FINAL_ONLY output of each stream; returns early (aborting them
   all) if `gone` finishes first, e.g. a client that disconnected.
 - `choice_deltas`: for streaming, the new text / tokens / logprobs of every choice as they
@@ -25,6 +26,7 @@ from nanollmserve.frontend.async_engine import (
     OutputKind,
     RequestStream,
 )
+from nanollmserve.frontend.input_processor import TokenizedPrompt
 from nanollmserve.outputs import CompletionOutput, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.tracing.context import record_admission
@@ -42,19 +44,31 @@ async def admit(
     lora_name: str | None = None,
     pooling: bool = False,
     model: str | None = None,
+    prompt_logprobs_copies: int | None = None,
 ) -> list[RequestStream]:
     """One engine request per prompt (ids `request_id`, or `request_id-i` for several), all
-    or none: an error admitting one aborts the others and is raised. `lora_name`: the LoRA
-    adapter they run with (None: the base model). `pooling`: embedding requests. `model`:
-    the name the request asked for, for its trace span (with tracing on)."""
+    or none: an error admitting one aborts the others and is raised. Every prompt is
+    tokenized first and the request's totals checked as they grow (`check_prompts`: its
+    prompt tokens, the prompt-logprob entries its response would hold), so a request over
+    one is refused before any prompt reaches the engine. `lora_name`: the LoRA adapter they
+    run with (None: the base model). `pooling`: embedding requests. `model`: the name the
+    request asked for, for its trace span (with tracing on). `prompt_logprobs_copies`: how
+    many times the response repeats a prompt's logprobs (default `params.n`)."""
     request_ids = (
         [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     )
+    limits = engine.request_policy.limits
+    tokenized: list[TokenizedPrompt] = []
+    for prompt in prompts:
+        text, token_ids = await engine.tokenize(prompt)
+        tokenized.append(TokenizedPrompt(text, token_ids))
+        lengths = [len(p.token_ids) for p in tokenized]
+        limits.check_prompts(lengths, params, engine.max_model_len, prompt_logprobs_copies)
     # Before adding: a request may end before its add returns (an embedding takes one step).
     record_admission(request_ids, params, model or lora_name or engine.model_name, request_id)
     streams: list[RequestStream] = []
     try:
-        for rid, prompt in zip(request_ids, prompts, strict=True):
+        for rid, prompt in zip(request_ids, tokenized, strict=True):
             streams.append(
                 await engine.add_request(
                     prompt, params, rid, output_kind, lora_name=lora_name, pooling=pooling

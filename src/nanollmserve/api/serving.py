@@ -137,11 +137,14 @@ class ServerContext:
         model: str | None = None,
         client_request_id: str | None = None,
         pooling: bool = False,
+        prompt_logprobs_copies: int | None = None,
     ) -> list[RequestStream]:
         """Admit one request per prompt, all or none: DELTA streams for a streamed response,
         FINAL_ONLY ones otherwise. `model` (checked by `check_model`) naming a LoRA adapter
         runs them with it. `request_id` is the server's; `client_request_id` (the client's
-        `X-Request-Id`) is only logged next to it, quoted. `pooling`: embedding requests."""
+        `X-Request-Id`) is only logged next to it, quoted. `pooling`: embedding requests.
+        `prompt_logprobs_copies`: how many times the response holds a prompt's logprobs
+        (default `n`: once per choice), for `--max-prompt-logprobs-entries`."""
         self.limits.check_fields(
             client_request_id=client_request_id, request_id_param=REQUEST_ID_HEADER
         )
@@ -156,6 +159,7 @@ class ServerContext:
             lora_name,
             pooling=pooling,
             model=model or self.model_name,
+            prompt_logprobs_copies=prompt_logprobs_copies,
         )
         if client_request_id is not None and self.settings.log_requests:
             log_client_request_id(request_id, client_request_id)

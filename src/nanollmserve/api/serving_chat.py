@@ -99,6 +99,7 @@ async def create_chat_completion(
             body.stream,
             model=model,
             client_request_id=client_request_id(request.headers),
+            prompt_logprobs_copies=1,  # on the response, not on each choice
         )
     except ParamError as exc:  # e.g. the rendered conversation is too long
         grammar_source = (  # the field a grammar that fails (limit, compile) came from

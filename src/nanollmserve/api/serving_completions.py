@@ -56,6 +56,7 @@ async def create_completion(
             body.stream,
             model=model,
             client_request_id=client_request_id(request.headers),
+            prompt_logprobs_copies=_prompt_logprobs_copies(body),
         )
     except ParamError as exc:  # e.g. a JSON schema the grammar engine cannot compile
         raise from_param_error(exc, body.structured_outputs_aliases()) from None
@@ -68,6 +69,7 @@ async def create_completion(
     choices = []
     for prompt_index, output in enumerate(outputs):
         echo = await _prompt_text(ctx, output) if body.echo else ""
+        prompt_json = _prompt_logprobs_json(body, output)  # built once, shared by the choices
         for choice in output.outputs:
             logprobs = None
             if body.logprobs is not None:
@@ -79,7 +81,7 @@ async def create_completion(
                     text=echo + choice.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(choice),
-                    **_token_io(body, output, choice.token_ids, first=True),
+                    **_token_io(body, output, choice.token_ids, True, prompt_json),
                 )
             )
     response = CompletionResponse(
@@ -98,14 +100,17 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
     # Per prompt, the output that brought its prompt logprobs (a DELTA output has them once;
     # each choice's first chunk needs them).
     prompt_outputs: dict[int, RequestOutput] = {}
+    prompt_jsons: dict[int, object] = {}  # their prompt_logprobs JSON, built once
     totals = StreamTotals()
     try:
         async for step in choice_deltas(streams, totals, error_is_reason=True):
             choice = step.choice
             index = step.prompt_index * body.n + choice.index
             echo = await _prompt_text(ctx, step.output) if body.echo and step.first else ""
-            if step.output.prompt_logprobs is not None:
-                prompt_outputs.setdefault(step.prompt_index, step.output)
+            new_prompt = step.prompt_index not in prompt_outputs
+            if step.output.prompt_logprobs is not None and new_prompt:
+                prompt_outputs[step.prompt_index] = step.output
+                prompt_jsons[step.prompt_index] = _prompt_logprobs_json(body, step.output)
             prompt_output = prompt_outputs.get(step.prompt_index, step.output)
             logprobs = None
             if body.logprobs is not None:
@@ -114,7 +119,8 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
                 text_offsets[index] = text_offsets.get(index, 0) + sum(
                     len(t) for t in logprobs.tokens
                 )
-            token_io = _token_io(body, prompt_output, choice.token_ids, step.first)
+            prompt_json = prompt_jsons.get(step.prompt_index)
+            token_io = _token_io(body, prompt_output, choice.token_ids, step.first, prompt_json)
             news = echo or choice.text or step.finish_reason or any(token_io.values())
             if not (news or logprobs and logprobs.tokens):
                 continue
@@ -145,6 +151,13 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
     yield SSE_DONE
 
 
+def _prompt_logprobs_copies(body: CompletionRequest) -> int:
+    """How many times the response holds a prompt's logprobs: in each choice, as
+    `prompt_logprobs` and, with `echo` and `logprobs`, in front of its legacy logprobs."""
+    places = (body.prompt_logprobs is not None) + (body.echo and body.logprobs is not None)
+    return body.n * max(places, 1)
+
+
 async def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
@@ -162,15 +175,26 @@ async def _echoed(
     return [first_token, *output.prompt_logprobs[1:]]
 
 
-def _token_io(body: CompletionRequest, output: RequestOutput, token_ids, first: bool) -> dict:
-    """The choice's vLLM token-level fields (the prompt's only in its first chunk)."""
+def _prompt_logprobs_json(body: CompletionRequest, output: RequestOutput):
+    """The prompt's `prompt_logprobs` field (None unless asked for), built once per prompt:
+    every choice of the prompt carries the same."""
+    if body.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_json(output.prompt_logprobs)
+
+
+def _token_io(
+    body: CompletionRequest, output: RequestOutput, token_ids, first: bool, prompt_json=None
+) -> dict:
+    """The choice's vLLM token-level fields (the prompt's only in its first chunk);
+    `prompt_json`: the prompt's `prompt_logprobs` field (`_prompt_logprobs_json`)."""
     fields = {}
     if body.return_token_ids:
         fields["token_ids"] = list(token_ids)
         if first:
             fields["prompt_token_ids"] = list(output.prompt_token_ids)
     if body.prompt_logprobs is not None and first:
-        fields["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        fields["prompt_logprobs"] = prompt_json
     return fields
 
 

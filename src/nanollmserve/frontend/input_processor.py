@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 from nanollmserve.engine.grammar_compiler import GrammarCompiler
 from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.errors import ParamError
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.structured_output_limits import StructuredOutputLimits
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt tokenized already (`AsyncEngine.tokenize` of the text or ids): what a
+    request's prompts become before any of them is admitted, so the request's totals
+    (`RequestLimits.check_prompts`) are checked first; `tokenize` passes it through."""
+
+    text: str | None
+    token_ids: list[int]
 
 
 class InputProcessor:
@@ -27,11 +38,14 @@ class InputProcessor:
         grammar_limits: StructuredOutputLimits | None = None,
         scheduling_policy: str = "fcfs",
         pooling: bool = False,
+        max_client_priority: int | None = None,
     ) -> None:
         """`grammar_limits`: the size limits of a request's grammar (None: none, offline).
         `scheduling_policy`: the engine's; under fcfs a non-zero `priority` is refused.
-        `pooling`: the engine pools (`runner="pooling"`): a prompt needs no room for output."""
+        `pooling`: the engine pools (`runner="pooling"`): a prompt needs no room for output.
+        `max_client_priority`: the lowest `priority` a request may ask (None: any)."""
         self.tokenizer = tokenizer
+        self.max_client_priority = max_client_priority
         self.pooling = pooling
         self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
@@ -40,8 +54,10 @@ class InputProcessor:
         stop_ids = sorted(stop_token_ids) or [tokenizer.eos_token_id]
         self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids, grammar_limits)
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | list[int] | TokenizedPrompt) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt.text, prompt.token_ids
         if isinstance(prompt, str):
             if not prompt:
                 raise ParamError("prompt must not be empty", "prompt")
@@ -65,9 +81,12 @@ class InputProcessor:
         grammar=None,
     ) -> list[EngineCoreRequest]:
         """One engine request per completion (`n`); child i of a seeded request uses seed + i.
-        `lora_name`: the LoRA adapter they all run with (None: the base model). `grammar`:
-        `params.structured_outputs` compiled already (the server's grammar workers); None
-        compiles it here."""
+        Prompt logprobs are the prompt's, the same for every child: only child 0 asks for
+        them, so they are computed once per request (the output processor gives them to
+        every choice), and the other children, free to take prefix-cache hits, reuse the
+        prompt blocks child 0 computes in the same step. `lora_name`: the LoRA adapter they
+        all run with (None: the base model). `grammar`: `params.structured_outputs` compiled
+        already (the server's grammar workers); None compiles it here."""
         self.validate(prompt_token_ids, params)
         if grammar is None:
             grammar = self.compile_grammar(params)
@@ -81,6 +100,8 @@ class InputProcessor:
         requests = []
         for i in range(params.n):
             child_params = dataclasses.replace(params, n=1)
+            if i > 0:
+                child_params.prompt_logprobs = None  # child 0's serve every choice
             if params.seed is not None:
                 child_params.seed = params.seed + i
             requests.append(
@@ -100,6 +121,13 @@ class InputProcessor:
             raise ParamError(
                 f"priority is {params.priority}, but this server schedules "
                 f"{self.scheduling_policy}: start it with --scheduling-policy priority",
+                "priority",
+            )
+        limit = self.max_client_priority
+        if limit is not None and params.priority < limit:
+            raise ParamError(
+                f"priority is {params.priority}, more urgent than this server allows: "
+                f"--max-client-priority is {limit} (lower is more urgent)",
                 "priority",
             )
         num_prompt = len(prompt_token_ids)

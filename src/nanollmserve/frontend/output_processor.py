@@ -1,7 +1,8 @@
 """From engine outputs (token ids) to RequestOutputs (text), one state per request.
 
 A request asking for `n` completions runs in the engine as `n` child requests; their
-outputs are gathered here into one RequestOutput with `n` CompletionOutputs. Each child has
+outputs are gathered here into one RequestOutput with `n` CompletionOutputs. Prompt logprobs
+come once per request, from child 0 (the only one that computes them). Each child has
 an incremental detokenizer; stop strings are found here, in text, across token boundaries,
 and a child that hits one is reported back so the caller aborts it in the engine. As in
 vLLM, stop strings are only looked for once a child has more than `min_tokens` tokens.
@@ -169,6 +170,19 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """It wants prompt logprobs and child 0, which alone computes them, is running and
+        has not brought them yet: a DELTA consumer gets nothing meanwhile, so the first
+        output of every choice carries them (a sibling that took a prefix-cache hit may
+        sample its first token before child 0 has scored the whole prompt)."""
+        first = self.children[0]
+        return (
+            first.params.prompt_logprobs is not None
+            and self.prompt_logprobs is None
+            and first.finish_reason is None
+        )
+
     def final_output(self) -> RequestOutput:
         """Everything, every choice."""
         return self._output([c.to_output() for c in self.children], self.prompt_logprobs)
@@ -177,6 +191,8 @@ class RequestState:
         """What the consumer gets now, by output kind (None: nothing for it this step)."""
         if self.output_kind is OutputKind.FINAL_ONLY:
             return self.final_output() if self.finished else None
+        if self.awaits_prompt_logprobs:
+            return None
         deltas = [d for c in self.children if (d := c.delta()) is not None]
         if not deltas and not self.finished:
             return None
