@@ -38,7 +38,10 @@ class RecordedServer:
     def __init__(self, engine_args: dict, **settings) -> None:
         self.exporter = InMemorySpanExporter()
         self.tracer = Tracer.with_exporter(self.exporter, "nanollmserve-test", batch=False)
-        self.engine = AsyncEngine(EngineConfig(dtype="float32", num_kv_blocks=64, **engine_args))
+        config = EngineConfig(
+            dtype="float32", num_kv_blocks=64, step_record_prompts=True, **engine_args
+        )  # the prompts: the tests replay the record
+        self.engine = AsyncEngine(config)
         settings = ServerSettings(served_model_names=["tiny"], tracer=self.tracer, **settings)
         self.client = TestClient(create_app(self.engine, settings))
         self.client.__enter__()

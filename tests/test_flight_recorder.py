@@ -35,6 +35,7 @@ def recorded_run(tmp_path_factory):
         num_kv_blocks=10,
         max_num_batched_tokens=64,
         speculative_config=SPEC,
+        step_record_prompts=True,  # a replay needs them
     )
     prompts = [REPEATED + "and then", REPEATED + "so what", "Hello there, my friend", REPEATED]
     params = [
@@ -194,6 +195,7 @@ def test_a_priority_preemption_mid_run_is_recorded_with_its_reason_and_replays(
         max_model_len=128,
         enable_prefix_caching=False,
         scheduling_policy="priority",
+        step_record_prompts=True,
     )
     engine = llm.engine
     low = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True, priority=10)

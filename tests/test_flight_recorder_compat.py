@@ -1,7 +1,8 @@
 """The flight recorder with the other features (compatibility matrix): a worker on the GGUF
-blocks with ngram speculation behind a router (its /debug/steps read through the router
-and replayed offline), a 2-rank tensor-parallel engine (recorded and replayed), and LoRA
-requests (recorded; replay refuses them)."""
+blocks with ngram speculation behind a router (its /debug/steps read on the worker's own
+port with its admin key, the router forwarding no admin route, and replayed offline), a
+2-rank tensor-parallel engine (recorded and replayed), and LoRA requests (recorded; replay
+refuses them)."""
 
 from __future__ import annotations
 
@@ -19,22 +20,24 @@ from nanollmserve import SamplingParams
 pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(500)]
 
 
-def replay(path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "nanollmserve.cli.main", "replay", str(path)]
+def replay(path, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "nanollmserve.cli.main", "replay", str(path), *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=400)
 
 
 def test_gguf_blocks_with_speculation_behind_the_router_record_and_replay(tmp_path, compat):
     stack = CompatStack.start(
         "--dtype", "auto", "--quantization", "gguf", "--num-kv-blocks", "128",
-        "--speculative-config", SPEC_NGRAM, "--enable-debug-endpoints",
+        "--speculative-config", SPEC_NGRAM, "--enable-debug-endpoints", "--step-record-prompts",
     )  # fmt: skip
     try:
         client = stack.router.openai()
         for prompt in (REPEATING_PROMPT, "The capital of France is"):
             client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16)
         stack.worker.wait_idle()
-        response = httpx.get(f"{stack.router.url}/debug/steps", timeout=60)  # to the worker
+        # The worker's own record, with its admin key: the router forwards no admin route.
+        assert httpx.get(f"{stack.router.url}/debug/steps", timeout=60).status_code == 404
+        response = stack.worker.admin_client(timeout=60).get("/debug/steps")
         assert response.status_code == 200, response.text
         compat.exercised("router", routed=stack.router.stats()["workers"][0]["num_routed"])
         compat.exercised("gguf", quantization=compat.quantization_in_log(stack.ready_line()))
@@ -56,7 +59,11 @@ def test_tensor_parallel_records_and_replays(tmp_path, compat):
     from nanollmserve import LLM
 
     with LLM(
-        str(tiny_model_dir()), dtype="float32", tensor_parallel_size=2, num_kv_blocks=32
+        str(tiny_model_dir()),
+        dtype="float32",
+        tensor_parallel_size=2,
+        num_kv_blocks=32,
+        step_record_prompts=True,
     ) as llm:
         params = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
         llm.generate(["Hello there", "Pick one:"], params, use_tqdm=False)
@@ -65,7 +72,9 @@ def test_tensor_parallel_records_and_replays(tmp_path, compat):
     header = json.loads((tmp_path / "tp.jsonl").read_text().splitlines()[0])
     assert header["config"]["tensor_parallel_size"] == 2 and header["num_steps"] > 1
     compat.exercised("recorder", records=header["num_steps"])
-    result = replay(tmp_path / "tp.jsonl")
+    result = replay(tmp_path / "tp.jsonl")  # it would start a second process: refused
+    assert result.returncode == 2 and "--trust-record-config" in result.stderr
+    result = replay(tmp_path / "tp.jsonl", "--trust-record-config")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -24,6 +24,7 @@ def server():
     grpc_port = free_port()
     live = LiveServer.start(
         "--enable-debug-endpoints",
+        "--step-record-prompts",
         "--num-kv-blocks",
         "64",
         "--grpc-port",

@@ -94,6 +94,12 @@ class EngineConfig:
     step_record: int = 4096
     """Keep a record of the last N engine steps (the flight recorder: /debug/steps,
     `nanollmserve trace export`, `nanollmserve replay`); 0: off."""
+    step_record_max_bytes: int = 64 << 20
+    """Most bytes the flight recorder's ring may hold (estimated per step), a size such as
+    16MiB (default: 64MiB); past it the oldest steps go, whatever --step-record says."""
+    step_record_prompts: bool = False
+    """Keep each arrival's prompt token ids and full sampling parameters in the flight
+    record (what `nanollmserve replay` needs); off: only prompt lengths and keyed hashes."""
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -119,6 +125,11 @@ class EngineConfig:
         if not 0 <= self.step_record <= MAX_STEP_RECORD:
             raise UserError(
                 f"step_record must be in [0, {MAX_STEP_RECORD}], got {self.step_record}"
+            )
+        if not 1 <= self.step_record_max_bytes <= MAX_STEP_RECORD_BYTES:
+            raise UserError(
+                f"step_record_max_bytes must be in [1, {MAX_STEP_RECORD_BYTES}] bytes (1TiB), "
+                f"got {self.step_record_max_bytes}"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise UserError(
@@ -210,12 +221,14 @@ KV_CACHE_DTYPE_NAMES = ("auto", "float32", "float16", "int8", "fp8", "fp8_e4m3",
 """vLLM's names and two float types (`layers/kv_quant.py` maps them to dtypes)."""
 MAX_STEP_RECORD = 1 << 20
 """The most steps `step_record` may keep."""
+MAX_STEP_RECORD_BYTES = 1 << 40
+"""The largest `step_record_max_bytes`."""
 
 RUNNERS = ("generate", "pooling")
 TASK_RUNNERS = {"embed": "pooling", "generate": "generate"}
 
 # Fields given in bytes: their flags take sizes with a suffix (`--kv-cache-memory 2GiB`).
-BYTE_SIZE_FIELDS = ("kv_cache_memory", "kv_offload_max_bytes")
+BYTE_SIZE_FIELDS = ("kv_cache_memory", "kv_offload_max_bytes", "step_record_max_bytes")
 
 
 def _flag(name: str) -> str:

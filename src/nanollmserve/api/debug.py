@@ -2,9 +2,10 @@
 
 Mounted only with `--enable-debug-endpoints` (otherwise the path is a 404 like any unknown
 one), and behind the API key like every route. The first line describes the engine (its
-configuration, the steps the ring holds), then one line per kept step numbered `since` or
-later, in the schema of docs/features/flight-recorder.md. The lines are built from a copy of
-the ring on a worker thread and streamed, so a full ring never stalls the event loop.
+configuration without its file system paths, the steps the ring holds), then one line per
+kept step numbered `since` or later, in the schema of docs/features/flight-recorder.md. The
+lines are built from a copy of the ring on a worker thread and streamed, so a full ring never
+stalls the event loop.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ router = APIRouter()
 async def debug_steps(request: Request, since: str | None = None) -> StreamingResponse:
     """The flight record from step `since` (default 0: every kept step)."""
     first = _parse_since(since)
-    lines = request.app.state.ctx.engine.step_record_lines(first)
+    # API clients do not learn where the model and the stores live (hidden_paths names them).
+    lines = request.app.state.ctx.engine.step_record_lines(first, hide_paths=True)
     if lines is None:
         raise not_found("the flight recorder is off (started with --step-record 0)")
     return StreamingResponse(lines, media_type="application/x-ndjson")

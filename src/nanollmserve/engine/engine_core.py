@@ -88,7 +88,14 @@ class EngineCore:
         self.max_model_len = self._max_model_len(self.num_kv_blocks * block_size)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.flight_recorder = (  # --step-record N: the last N steps (0: none)
-            FlightRecorder(config.step_record, config_json(config), self.num_kv_blocks, block_size)
+            FlightRecorder(
+                config.step_record,
+                config_json(config),
+                self.num_kv_blocks,
+                block_size,
+                max_bytes=config.step_record_max_bytes,
+                keep_prompts=config.step_record_prompts,
+            )
             if config.step_record
             else None
         )

@@ -266,12 +266,13 @@ class AsyncEngine:
     def stats(self) -> ServingStats:
         return self.engine_loop.stats()
 
-    def step_record_lines(self, since: int = 0) -> Iterator[str] | None:
+    def step_record_lines(self, since: int = 0, hide_paths: bool = False) -> Iterator[str] | None:
         """The flight record (the header line, then the steps from `since`) as JSON lines,
         built lazily from a copy of the ring, on whatever thread iterates; None when the
-        recorder is off (`--step-record 0`)."""
+        recorder is off (`--step-record 0`). `hide_paths`: without the configuration's file
+        system paths (what `/debug/steps` serves)."""
         recorder = self.engine_loop.engine.flight_recorder
-        return None if recorder is None else recorder.json_lines(since)
+        return None if recorder is None else recorder.json_lines(since, hide_paths)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """`observer.on_step(EngineStats)` after every step and
