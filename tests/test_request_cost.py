@@ -306,7 +306,8 @@ def test_prompt_logprobs_entries_count_the_copies_a_response_holds(tight_server)
         {"prompt_logprobs": 10**9},
         {"prompt_logprobs": 1.5},
         {"prompt_logprobs": "nan"},
-        {"n": 128, "prompt_logprobs": 20},
+        {"n": 64, "prompt_logprobs": 20},  # each allowed alone: 134,400 entries together
+        {"n": 2, "prompt_logprobs": 10},  # 2,200 entries
         {"n": 10**6, "prompt_logprobs": 10**6},
     ],
 )
@@ -318,7 +319,12 @@ def test_hostile_n_and_k_over_http(tight_server, fields):
             "/v1/completions", content=content, headers={"content-type": "application/json"}
         )
         assert response.status_code == 400, response.text
-        assert response.json()["error"]["type"] == "invalid_request_error"
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] in fields, error
+        n, k = fields.get("n"), fields.get("prompt_logprobs")
+        if isinstance(n, int) and 1 <= n <= 64 and isinstance(k, int) and 0 <= k <= 20:
+            assert "--max-prompt-logprobs-entries" in error["message"], error
         assert client.get("/health").status_code == 200
 
 
@@ -420,3 +426,29 @@ def test_flag_values_parse_and_a_huge_one_means_no_tighter_limit():
     default = limits_from_args(parser.parse_args(["serve"]))
     assert default.prompt_tokens_limit(CONTEXT) == 8 * CONTEXT
     assert default.max_prompt_logprobs_entries == 1 << 18
+
+
+# -- the memory a step of prompt logprobs takes -------------------------------------------------
+PEAK_SCRIPT = """
+import resource
+from nanollmserve import LLM, SamplingParams
+llm = LLM()
+llm.generate(["warm up"], SamplingParams(max_tokens=1), use_tqdm=False)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+prompt = [100 + (i % 500) for i in range(500)]
+[out] = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=20), use_tqdm=False)
+assert len(out.prompt_logprobs) == 500
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
+"""
+
+
+def test_scoring_a_prompt_step_keeps_its_vocabulary_rows_a_slice_at_a_time():
+    """A 500-token prompt scored in one step: its logits rows (500 x 49,152 floats, ~94 MiB)
+    were copied to float, log-softmaxed and compared whole (+328 MiB of peak RSS on the old
+    code); a slice of rows at a time, the peak stays near the logits themselves (+98 MiB)."""
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    growth_mib = int(result.stdout.strip().splitlines()[-1])
+    assert growth_mib < 200, growth_mib

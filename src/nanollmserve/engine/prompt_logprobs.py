@@ -20,6 +20,9 @@ from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
 from nanollmserve.layers.sampler import LOGPROB_FLOOR
 
+ROWS_PER_SLICE = 64
+"""Prompt rows scored at once (`take`): bounds the vocabulary-wide temporaries of a step."""
+
 
 @dataclass
 class _Span:
@@ -71,19 +74,28 @@ class PromptLogprobRows:
         `num_sample_rows`; return the sampling rows (None when there are none)."""
         if not self.spans or logits is None:
             return logits
-        prompt_rows = logits[num_sample_rows:].float()
-        logprobs = torch.log_softmax(prompt_rows, dim=-1)
-        logprobs.nan_to_num_(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
-        targets = torch.tensor(
-            [t for s in self.spans for t in s.target_ids], device=logprobs.device
+        prompt_rows = logits[num_sample_rows:]
+        all_targets = torch.tensor(
+            [t for s in self.spans for t in s.target_ids], device=prompt_rows.device
         )[:, None]
-        target_logprobs = logprobs.gather(1, targets)
-        ranks = (logprobs > target_logprobs).sum(dim=-1) + 1
         max_k = max(s.request.sampling_params.prompt_logprobs for s in self.spans)
-        top = logprobs.topk(max_k, dim=-1) if max_k else None
-        ids = torch.cat([targets, top.indices], 1) if top else targets
-        values = torch.cat([target_logprobs, top.values], 1) if top else target_logprobs
-        ids_list, values_list, ranks_list = ids.tolist(), values.tolist(), ranks.tolist()
+        ids_list, values_list, ranks_list = [], [], []
+        # A slice of rows at a time: the float copy, the log-softmax and the comparison are
+        # vocabulary-wide per row, so a whole step's rows at once would triple its logits.
+        for start in range(0, len(prompt_rows), ROWS_PER_SLICE):
+            logprobs = torch.log_softmax(
+                prompt_rows[start : start + ROWS_PER_SLICE].float(), dim=-1
+            )
+            logprobs.nan_to_num_(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
+            targets = all_targets[start : start + ROWS_PER_SLICE]
+            target_logprobs = logprobs.gather(1, targets)
+            ranks = (logprobs > target_logprobs).sum(dim=-1) + 1
+            top = logprobs.topk(max_k, dim=-1) if max_k else None
+            ids = torch.cat([targets, top.indices], 1) if top else targets
+            values = torch.cat([target_logprobs, top.values], 1) if top else target_logprobs
+            ids_list += ids.tolist()
+            values_list += values.tolist()
+            ranks_list += ranks.tolist()
         row = 0
         for span in self.spans:
             k = span.request.sampling_params.prompt_logprobs
