@@ -125,6 +125,8 @@ class ClusterProcess:
         self.url = url
         self.log_path = log_path
         self.api_key = api_key
+        self.admin_api_key: str | None = None
+        """`--admin-api-key` (through its variable): the router's admin surface."""
 
     @classmethod
     def start(
@@ -134,12 +136,16 @@ class ClusterProcess:
         *args: str,
         api_key: str | None = None,
         num_workers: int = 2,
+        admin_api_key: str | None = None,
     ) -> ClusterProcess:
         log_fd, log_path = tempfile.mkstemp(prefix="nanollmserve-cluster-", suffix=".log")
         env = dict(os.environ)
         env.pop("NANOLLMSERVE_API_KEY", None)
+        env.pop("NANOLLMSERVE_ADMIN_API_KEY", None)
         if api_key:
             env["NANOLLMSERVE_API_KEY"] = api_key
+        if admin_api_key:
+            env["NANOLLMSERVE_ADMIN_API_KEY"] = admin_api_key
         command = [sys.executable, "-m", "nanollmserve.cli.main", subcommand, *args]
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, env=env
@@ -147,6 +153,7 @@ class ClusterProcess:
         os.close(log_fd)
         atexit.register(Path(log_path).unlink, missing_ok=True)
         cluster = cls(process, f"http://127.0.0.1:{port}", Path(log_path), api_key)
+        cluster.admin_api_key = admin_api_key
         atexit.register(cluster.stop)
         try:
             cluster.wait_healthy(num_workers, STARTUP_TIMEOUT_S)
@@ -158,6 +165,10 @@ class ClusterProcess:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_api_key}"} if self.admin_api_key else {}
 
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/stats", headers=self.headers, timeout=30).json()

@@ -21,6 +21,11 @@ SPEC_NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_mi
 REPEATING_PROMPT = "Repeat after me five times: red green blue. red green blue. red green blue."
 
 
+ADMIN_KEY = "compat-stack-admin-key"
+"""The worker's --admin-api-key: its admin routes (/debug/steps, ...) are read on its own
+port with it; the router forwards none of them."""
+
+
 class CompatStack:
     def __init__(self, worker: LiveServer, grpc_target: str, router: ClusterProcess) -> None:
         self.worker = worker
@@ -30,7 +35,9 @@ class CompatStack:
     @classmethod
     def start(cls, *serve_args: str) -> CompatStack:
         grpc_port = free_port()
-        worker = LiveServer.start(*serve_args, "--grpc-port", str(grpc_port))
+        worker = LiveServer.start(
+            *serve_args, "--grpc-port", str(grpc_port), admin_api_key=ADMIN_KEY
+        )
         try:
             port = free_port()
             router = ClusterProcess.start(

@@ -52,7 +52,10 @@ class LiveServer:
         log_path: Path,
         api_key: str | None,
         verify: str | None = None,
+        admin_api_key: str | None = None,
     ):
+        self.admin_api_key = admin_api_key
+        """`--admin-api-key` (through its variable): what the admin routes need."""
         self.process = process
         self.port = port
         self.log_path = log_path
@@ -68,19 +71,23 @@ class LiveServer:
         api_key: str | None = None,
         env: dict[str, str] | None = None,
         verify: str | None = None,
+        admin_api_key: str | None = None,
     ) -> LiveServer:
         port = free_port()
         log_fd, log_path = tempfile.mkstemp(prefix="nanollmserve-test-", suffix=".log")
         env = {**os.environ, **(env or {})}
         env.pop("NANOLLMSERVE_API_KEY", None)
+        env.pop("NANOLLMSERVE_ADMIN_API_KEY", None)
         if api_key:
             env["NANOLLMSERVE_API_KEY"] = api_key
+        if admin_api_key:
+            env["NANOLLMSERVE_ADMIN_API_KEY"] = admin_api_key
         command = [sys.executable, "-m", "nanollmserve.cli.main", "serve"]
         command += ["--port", str(port), *args]
         process = subprocess.Popen(command, stdout=log_fd, stderr=subprocess.STDOUT, env=env)
         os.close(log_fd)
         atexit.register(Path(log_path).unlink, missing_ok=True)
-        server = cls(process, port, Path(log_path), api_key, verify)
+        server = cls(process, port, Path(log_path), api_key, verify, admin_api_key)
         server.wait_ready()
         return server
 
@@ -106,6 +113,16 @@ class LiveServer:
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(
             base_url=self.url, headers=self.headers, timeout=timeout, verify=self.verify
+        )
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_api_key}"} if self.admin_api_key else {}
+
+    def admin_client(self, timeout: float = 120.0) -> httpx.Client:
+        """A client of the admin routes (`/sleep`, `/debug/steps`, ...): the admin key."""
+        return httpx.Client(
+            base_url=self.url, headers=self.admin_headers, timeout=timeout, verify=self.verify
         )
 
     def openai(self, strict: bool = True, asynchronous: bool = False):

@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(400)]
 SYSTEM = "You are terse. " + " ".join(f"Rule {i}: answer in one line." for i in range(12))
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is it ok?"}]
 TOKEN_IO = {"return_token_ids": True, "prompt_logprobs": 1}
+ADMIN_KEY = "compat-memory-admin-key"
 SCHEMA = {
     "type": "json_schema",
     "json_schema": {
@@ -55,7 +56,7 @@ def reasoning_server(model_dir: str, **engine_args) -> RecordedServer:
         "scheduling_policy": "priority",
         **engine_args,
     }
-    return RecordedServer(engine_args, reasoning_parser="qwen3")
+    return RecordedServer(engine_args, reasoning_parser="qwen3", admin_api_key=ADMIN_KEY)
 
 
 def chat(server: RecordedServer, **extra_body):
@@ -81,7 +82,9 @@ def kv_pool(server: RecordedServer) -> torch.Tensor:
 
 
 def post(server: RecordedServer, path: str, **params):
-    return server.client.post(path, params=params)
+    """An admin route (the sleep routes): the admin key (m27)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    return server.client.post(path, params=params, headers=headers)
 
 
 def replays_identically(result: subprocess.CompletedProcess) -> None:

@@ -29,7 +29,10 @@ def complete(base_url: str) -> dict:
 def empty_the_pool(stack: CompatStack) -> None:
     """A level-1 sleep and a wake: the pool, and every prefix it held, are gone."""
     for path, params in (("/sleep", {"level": "1"}), ("/wake_up", {})):
-        answer = httpx.post(f"{stack.worker.url}{path}", params=params, timeout=120)
+        answer = httpx.post(
+            f"{stack.worker.url}{path}", params=params, headers=stack.worker.admin_headers,
+            timeout=120,
+        )  # fmt: skip
         assert answer.status_code == 200, answer.text
 
 

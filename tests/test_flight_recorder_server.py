@@ -1,7 +1,8 @@
 """GET /debug/steps on a live server: off (404) without --enable-debug-endpoints, behind the
-API key, JSON lines from `since`, hostile `since` values refused with a 400 naming it; the
-requests of every frontend (OpenAI HTTP, streaming, gRPC) are recorded, and the server's
-record replays identically offline and exports as a Chrome trace from its URL."""
+admin key (m27: `--admin-api-key`, never the API key), JSON lines from `since`, hostile
+`since` values refused with a 400 naming it; the requests of every frontend (OpenAI HTTP,
+streaming, gRPC) are recorded, and the server's record replays identically offline and
+exports as a Chrome trace from its URL."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from live_server import API_KEY, LiveServer, free_port, shared_server
 from nanollmserve.api.grpc_client import connect
 
 MODEL = "SmolLM2-135M-Instruct"
+ADMIN_KEY = "recorder-admin-key"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,7 @@ def server():
         "--grpc-port",
         str(grpc_port),
         api_key=API_KEY,
+        admin_api_key=ADMIN_KEY,
     )
     live.grpc_target = f"127.0.0.1:{grpc_port}"
     yield live
@@ -62,7 +65,7 @@ def served(server):
 
 
 def steps_of(server, **params) -> tuple[dict, list[dict]]:
-    response = server.client().get("/debug/steps", params=params)
+    response = server.admin_client().get("/debug/steps", params=params)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("application/x-ndjson")
     lines = [json.loads(line) for line in response.text.splitlines()]
@@ -82,7 +85,10 @@ def test_debug_steps_is_a_404_without_the_flag():
 def test_debug_steps_needs_the_api_key(server):
     response = httpx.get(f"{server.url}/debug/steps", timeout=10)
     assert response.status_code == 401
-    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.json()["error"]["code"] == "invalid_admin_api_key"
+    # The admin key (m27): the API key does not open it.
+    response = httpx.get(f"{server.url}/debug/steps", headers=server.headers, timeout=10)
+    assert response.status_code == 401
 
 
 @pytest.mark.milestone("m24")
@@ -111,7 +117,7 @@ def test_every_frontends_requests_are_recorded_and_since_filters(served, compat)
     "since", ["-1", "abc", "1.5", "nan", "inf", "1e3", "", " 1", "9" * 40, "١٢"]
 )
 def test_hostile_since_is_a_400_naming_since(server, since):
-    response = server.client().get("/debug/steps", params={"since": since})
+    response = server.admin_client().get("/debug/steps", params={"since": since})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "since" and error["type"] == "invalid_request_error"
@@ -121,7 +127,7 @@ def test_hostile_since_is_a_400_naming_since(server, since):
 @pytest.mark.milestone("m24")
 @pytest.mark.timeout(400)
 def test_the_servers_record_replays_identically(served, tmp_path):
-    record = served.client().get("/debug/steps").text
+    record = served.admin_client().get("/debug/steps").text
     path = tmp_path / "server.jsonl"
     path.write_text(record)
     command = [sys.executable, "-m", "nanollmserve.cli.main", "replay", str(path)]
@@ -134,7 +140,7 @@ def test_the_servers_record_replays_identically(served, tmp_path):
 def test_trace_export_reads_a_live_server(served, tmp_path):
     out = tmp_path / "trace.json"
     command = [sys.executable, "-m", "nanollmserve.cli.main", "trace", "export"]
-    command += ["--url", served.url, "--api-key", API_KEY, "--output", str(out)]
+    command += ["--url", served.url, "--api-key", ADMIN_KEY, "--output", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     events = json.loads(out.read_text())["traceEvents"]

@@ -19,6 +19,7 @@ from test_sleep_mode import MODEL, assert_sleeping_503, completion, poll, rss_by
 pytestmark = pytest.mark.milestone("m25")
 
 API_KEY = "sleep-idle-key"
+ADMIN_KEY = "sleep-idle-admin-key"
 IDLE_SECONDS = 2
 
 
@@ -26,7 +27,7 @@ IDLE_SECONDS = 2
 def server():
     live = LiveServer.start(
         "--dtype", "auto", "--enable-sleep-mode", "--sleep-idle-seconds", str(IDLE_SECONDS),
-        "--num-kv-blocks", "256", api_key=API_KEY,
+        "--num-kv-blocks", "256", api_key=API_KEY, admin_api_key=ADMIN_KEY,
     )  # fmt: skip
     yield live
     live.stop()
@@ -39,7 +40,7 @@ def greedy(server) -> httpx.Response:
 
 
 def is_sleeping(server) -> bool:
-    with server.client() as client:
+    with server.admin_client() as client:  # an admin route (m27)
         return client.get("/is_sleeping").json()["is_sleeping"]
 
 
@@ -62,7 +63,7 @@ def test_the_server_sleeps_when_idle_and_the_next_request_wakes_it(server):
 
 @pytest.mark.timeout(300)
 def test_an_explicit_sleep_holds_until_wake_up(server):
-    with server.client() as client:
+    with server.admin_client() as client:
         assert client.post("/sleep", params={"level": "1"}).status_code == 200
         assert_sleeping_503(completion(server.url, server.headers))
         assert is_sleeping(server)

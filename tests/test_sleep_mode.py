@@ -1,8 +1,9 @@
 """Sleep mode (m25), end to end on a live `nanollmserve serve --enable-sleep-mode`: vLLM's
-routes (`POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping`) behind the API key, the
-process's RSS falling by the KV pool it had committed, greedy output after a wake equal to
-before, requests while asleep refused with a 503 and `Retry-After` (gRPC: UNAVAILABLE; through
-the router: the worker's 503 passed on), a sleep that waits for the running request, hostile
+routes (`POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping`) behind the admin key
+(`--admin-api-key`, m27), the process's RSS falling by the KV pool it had committed, greedy
+output after a wake equal to before, requests while asleep refused with a 503 and
+`Retry-After` (gRPC: UNAVAILABLE; through the router: its own 503, the sleeping worker being
+out of its rotation), a sleep that waits for the running request, hostile
 query values, and `--sleep-idle-seconds` sleeping by itself and waking on the next request.
 """
 
@@ -24,6 +25,7 @@ from nanollmserve.api.grpc_client import connect
 pytestmark = pytest.mark.milestone("m25")
 
 API_KEY = "sleep-test-key"
+ADMIN_KEY = "sleep-test-admin-key"
 MODEL = "SmolLM2-135M-Instruct"
 KV_POOL_BYTES = 256 << 20
 PROMPT = "The capital of France is"
@@ -52,7 +54,7 @@ def server():
     grpc_port = free_port()
     live = LiveServer.start(
         "--dtype", "auto", "--enable-sleep-mode", "--kv-cache-memory", str(KV_POOL_BYTES),
-        "--grpc-port", str(grpc_port), api_key=API_KEY,
+        "--grpc-port", str(grpc_port), api_key=API_KEY, admin_api_key=ADMIN_KEY,
     )  # fmt: skip
     live.grpc_target = f"127.0.0.1:{grpc_port}"
     yield live
@@ -71,12 +73,12 @@ def greedy(server, prompt: str = PROMPT, max_tokens: int = 16, ignore_eos: bool 
 
 
 def post(server, path: str, **params) -> httpx.Response:
-    with server.client() as client:
+    with server.admin_client() as client:  # the sleep routes are admin routes
         return client.post(path, params=params)
 
 
 def is_sleeping(server) -> bool:
-    with server.client() as client:
+    with server.admin_client() as client:
         answer = client.get("/is_sleeping")
     assert answer.status_code == 200, answer.text
     return answer.json()["is_sleeping"]
@@ -236,6 +238,9 @@ def test_sleep_routes_need_the_api_key(server):
     for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")]:
         answer = httpx.request(method, f"{server.url}{path}", timeout=10)
         assert answer.status_code == 401, (path, answer.text)
+        # The admin key, not the API key (m27).
+        answer = httpx.request(method, f"{server.url}{path}", headers=server.headers)
+        assert answer.status_code == 401, (path, answer.text)
     assert not is_sleeping(server)
 
 
@@ -272,12 +277,18 @@ def test_the_router_passes_a_sleeping_workers_503_on(server, compat):
     try:
         assert completion(router.url, router.headers).status_code == 200
         assert post(server, "/sleep", level="1").status_code == 200
-        # /health stays 200 (the worker is alive), so the router keeps it; the request gets
-        # the worker's 503 and Retry-After (another worker would have taken it over).
+        # /health stays 200 (the worker is alive) but says "sleeping": the router sends it
+        # nothing (m27) and, with no other worker, answers 503 and Retry-After itself.
+        health = poll(
+            lambda: httpx.get(f"{router.url}/health", timeout=10).status_code == 503, 30, "503"
+        )
+        assert health
         asleep = completion(router.url, router.headers)
-        assert_sleeping_503(asleep)
-        compat.exercised("sleep", asleep=asleep.json()["error"]["code"] == "engine_sleeping")
+        assert asleep.status_code == 503 and int(asleep.headers["retry-after"]) >= 1
+        assert "asleep" in asleep.json()["error"]["message"]
+        compat.exercised("sleep", asleep="asleep" in asleep.json()["error"]["message"])
         assert post(server, "/wake_up").status_code == 200
+        poll(lambda: httpx.get(f"{router.url}/health").status_code == 200, 30, "awake")
         assert completion(router.url, router.headers).status_code == 200
         compat.exercised("router", routed=router.stats()["workers"][0]["num_routed"])
     finally:

@@ -34,6 +34,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     """fcfs (first come, first served) | priority (by each request's `priority`, lower
     first, then arrival; a request may preempt running ones of a higher value)."""
+    priority_aging_steps: int = 1000
+    """Under the priority policy, a waiting request's priority improves by one level per N
+    engine steps since it arrived, so no request starves behind a flood of urgent ones; 0:
+    off (strict priority, as vLLM)."""
+    max_client_priority: int | None = None
+    """The most urgent (lowest) `priority` a request may ask for; a lower one is a 400 naming
+    this limit (default: any int32)."""
     block_size: int = 16
     """Tokens per KV cache block."""
     num_kv_blocks: int | None = None
@@ -60,7 +67,8 @@ class EngineConfig:
     least recently used go first."""
     enable_sleep_mode: bool = False
     """Serve POST /sleep?level=1|2 (free the KV cache; 2: the weights too), POST /wake_up and
-    GET /is_sleeping, vLLM's sleep-mode routes (not with tensor parallelism)."""
+    GET /is_sleeping, vLLM's sleep-mode routes, behind --admin-api-key (not with tensor
+    parallelism)."""
     seed: int = 0
     """Seed of the sampler for requests that do not set their own."""
     tokenizer: str | None = None
@@ -135,6 +143,16 @@ class EngineConfig:
             raise UserError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
+        if not _is_int(self.priority_aging_steps) or not (
+            0 <= self.priority_aging_steps <= MAX_PRIORITY_AGING_STEPS
+        ):
+            raise UserError(
+                f"priority_aging_steps must be in [0, {MAX_PRIORITY_AGING_STEPS}], "
+                f"got {self.priority_aging_steps}"
+            )
+        limit = self.max_client_priority
+        if limit is not None and not (_is_int(limit) and -(2**31) <= limit < 2**31):
+            raise UserError(f"max_client_priority must be an int32, got {limit}")
         if self.tensor_parallel_size < 1:
             raise UserError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.enable_sleep_mode and self.tensor_parallel_size > 1:
@@ -224,11 +242,18 @@ MAX_STEP_RECORD = 1 << 20
 MAX_STEP_RECORD_BYTES = 1 << 40
 """The largest `step_record_max_bytes`."""
 
+MAX_PRIORITY_AGING_STEPS = 2**31 - 1
+"""The largest `priority_aging_steps`."""
+
 RUNNERS = ("generate", "pooling")
 TASK_RUNNERS = {"embed": "pooling", "generate": "generate"}
 
 # Fields given in bytes: their flags take sizes with a suffix (`--kv-cache-memory 2GiB`).
 BYTE_SIZE_FIELDS = ("kv_cache_memory", "kv_offload_max_bytes", "step_record_max_bytes")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _flag(name: str) -> str:

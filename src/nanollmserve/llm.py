@@ -37,6 +37,7 @@ class LLM:
             self.engine.eos_token_ids,
             scheduling_policy=self.config.scheduling_policy,
             pooling=self.config.runner == "pooling",
+            max_client_priority=self.config.max_client_priority,
         )
         self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()

@@ -3,7 +3,8 @@
 It wires the routes (`routes.py`) to a ServerContext, registers the Prometheus metrics
 (`app.state.metrics`, an engine observer served at /metrics), installs the OpenAI-shaped
 error handlers (Anthropic's shape on the Messages routes), the body-size cap, (with an API
-key) authentication, the `X-Request-Id` echo, (with allowed origins) CORS, (with
+key) authentication, the admin routes' own key (`--admin-api-key`; off without it), the
+`X-Request-Id` echo, (with allowed origins) CORS, (with
 `log_requests`) the request log and (with a tracer) a trace span per generation request,
 and documents 400 instead of FastAPI's 422 in /openapi.json, because validation errors
 answer 400 here.
@@ -17,7 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from nanollmserve import __version__
 from nanollmserve.anthropic_errors import AnthropicErrorShape
-from nanollmserve.api.auth import OPEN_PATHS, APIKeyMiddleware
+from nanollmserve.api.auth import OPEN_PATHS, AdminKeyMiddleware, APIKeyMiddleware
 from nanollmserve.api.body_limit import BodySizeLimitMiddleware
 from nanollmserve.api.debug import router as debug_router
 from nanollmserve.api.errors import install_error_handlers
@@ -63,6 +64,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     if settings.api_key:
         open_paths = OPEN_PATHS if settings.metrics_require_auth else OPEN_PATHS | {"/metrics"}
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    # The admin routes: their own key (404 without one), never the API key's (api/auth.py).
+    app.add_middleware(AdminKeyMiddleware, admin_api_key=settings.admin_api_key)
     app.add_middleware(AnthropicErrorShape)  # outside auth and the size cap: their errors too
     app.add_middleware(RequestIdEchoMiddleware)  # errors of the layers inside echo it too
     if settings.allowed_origins:  # outermost: a preflight carries no key and needs no body

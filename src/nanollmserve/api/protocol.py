@@ -287,7 +287,10 @@ class SamplingExtensions(OpenAIBaseModel):
 
 # -- server state ------------------------------------------------------------------------------
 class HealthResponse(OpenAIBaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "sleeping"] = "ok"
+    """`sleeping`: put to sleep (`POST /sleep`), generation requests get 503 until
+    `POST /wake_up` (a server asleep by itself, `--sleep-idle-seconds`, is `ok`: a request
+    wakes it)."""
     kv_role: Literal["prefill", "decode", "both"] = "both"
     """`--kv-role`: what the router's pd policy sends here (prefill/decode disaggregation)."""
 

@@ -83,10 +83,13 @@ Ctx = Annotated[ServerContext, Depends(get_context)]
 
 @router.get("/health", response_model=HealthResponse, tags=["server"])
 async def health(ctx: Ctx):
-    """200 while the engine loop is alive and accepting requests, 503 otherwise."""
+    """200 while the engine loop is alive and accepting requests, 503 otherwise; `status` is
+    `sleeping` (still a 200: the server is up) while `POST /sleep` holds, when requests get
+    a 503 until `POST /wake_up`: a router sends such a worker nothing."""
     if not ctx.engine.is_accepting:
         return error_response(503, "engine is not available", code="engine_unavailable")
-    return HealthResponse(kv_role=ctx.settings.kv_role)
+    status = "sleeping" if ctx.engine.sleep_requested else "ok"
+    return HealthResponse(status=status, kv_role=ctx.settings.kv_role)
 
 
 @router.get(

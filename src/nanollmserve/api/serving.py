@@ -39,6 +39,9 @@ class ServerSettings:
     `Authorization: Bearer <api_key>`."""
     metrics_require_auth: bool = False
     """With an api_key, /metrics needs it too; by default scrapers read /metrics freely."""
+    admin_api_key: str | None = None
+    """`--admin-api-key`: what the admin routes (`/sleep`, `/wake_up`, `/is_sleeping`,
+    `/debug/steps`) need, never the api_key; None: those routes are off (404)."""
     max_request_bytes: int = MAX_REQUEST_BYTES
     response_store_size: int = 1024
     """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""

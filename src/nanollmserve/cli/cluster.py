@@ -20,13 +20,14 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import socket
 
 from nanollmserve.cli.env_defaults import env_name
 from nanollmserve.cli.router import add_router_args, router_settings, setup_logging
 from nanollmserve.errors import UserError
 
-MANAGED_SERVE_FLAGS = ("--host", "--port", "--api-key")
+MANAGED_SERVE_FLAGS = ("--host", "--port", "--api-key", "--admin-api-key")
 GRPC_PORT_ENV = env_name("--grpc-port")
 DEFAULT_WORKERS = 2
 
@@ -129,7 +130,8 @@ def check_serve_args(serve_args: list[str], role_args: list[str] | None = None) 
         if name in MANAGED_SERVE_FLAGS or (role_args and name == "--kv-role"):
             raise UserError(
                 f"{name} is set by the cluster (--host/--router-port for the router, "
-                "--worker-host/--base-port for the workers, --api-key for both, --kv-role "
+                "--worker-host/--base-port for the workers, --api-key and --admin-api-key for "
+                "both, --kv-role "
                 "with --prefill-workers/--decode-workers)"
             )
     serve_args = serve_args + (role_args or [])
@@ -192,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         args.workers = DEFAULT_WORKERS
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
+    # One admin key for the workers' admin routes, made here and known to the router only
+    # (with --admin-api-key, that key: an operator may also call a worker's port with it).
+    args.worker_admin_api_key = (
+        args.worker_admin_api_key or args.admin_api_key or secrets.token_urlsafe(32)
+    )
     settings = router_settings(args)
     store = roles.shared_store() if roles is not None else contextlib.nullcontext()
     with store as worker_args:
@@ -242,7 +249,8 @@ def _local_workers(args, serve_args, worker_key, ports, worker_args):
         allowed = sorted(os.sched_getaffinity(0))
         cpus = [cpus_of_worker(i, len(ports), allowed) for i in range(len(ports))]
         threads = [len(share) if share else 1 for share in cpus]
-    envs = [worker_env(worker_key, devices[i], threads[i]) for i in range(len(ports))]
+    admin_key = args.worker_admin_api_key
+    envs = [worker_env(worker_key, devices[i], threads[i], admin_key) for i in range(len(ports))]
     workers = LocalWorkers(
         host, ports, serve_args, envs, args.max_restarts, args.shutdown_timeout, worker_args, cpus
     )
@@ -266,6 +274,7 @@ def _ray_workers(args, serve_args, worker_key, worker_args):
         args.worker_num_gpus,
         args.shutdown_timeout,
         worker_args,
+        admin_api_key=args.worker_admin_api_key,
     )
 
 

@@ -4,7 +4,8 @@ front of several `nanollmserve serve` workers (`nanollmserve.router`).
 It binds its port first (a busy port fails at once with one line), checks every worker's
 /health once, then serves; workers that are not up yet join when they answer. SIGINT /
 SIGTERM stop it. The API keys can come from the environment (`NANOLLMSERVE_API_KEY`,
-`NANOLLMSERVE_WORKER_API_KEY`), which keeps them off the command line.
+`NANOLLMSERVE_WORKER_API_KEY`, `NANOLLMSERVE_ADMIN_API_KEY`,
+`NANOLLMSERVE_WORKER_ADMIN_API_KEY`), which keeps them off the command line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from nanollmserve.tracing.flags import add_tracing_args, tracer_from_args
 
 API_KEY_ENV = "NANOLLMSERVE_API_KEY"
 WORKER_API_KEY_ENV = "NANOLLMSERVE_WORKER_API_KEY"
+ADMIN_API_KEY_ENV = "NANOLLMSERVE_ADMIN_API_KEY"
+WORKER_ADMIN_API_KEY_ENV = "NANOLLMSERVE_WORKER_ADMIN_API_KEY"
 POLICY_CHOICES = ("round_robin", "least_load", "prefix", "pd")
 
 
@@ -102,6 +105,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         f"and /metrics (default: ${API_KEY_ENV})",
     )
     group.add_argument(
+        "--admin-api-key",
+        default=os.environ.get(ADMIN_API_KEY_ENV) or None,
+        help="the operator's key for the router's admin routes (/admin/workers: sleep, wake, "
+        "drain a named worker), never the API key; without it they are off (404) "
+        f"(default: ${ADMIN_API_KEY_ENV})",
+    )
+    group.add_argument(
         "--metrics-require-auth",
         action="store_true",
         help="with --api-key, require the key on /metrics too (default: open to scrapers; "
@@ -120,6 +130,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(WORKER_API_KEY_ENV) or None,
         help=f"the key sent to the workers (default: ${WORKER_API_KEY_ENV}, else the "
         "client's Authorization header is passed on)",
+    )
+    group.add_argument(
+        "--worker-admin-api-key",
+        default=os.environ.get(WORKER_ADMIN_API_KEY_ENV) or None,
+        help="the key the router sends to a worker's admin routes (its --admin-api-key) when "
+        f"the admin surface sleeps or wakes it (default: ${WORKER_ADMIN_API_KEY_ENV}, else "
+        "--admin-api-key; `cluster` makes one for its workers)",
     )
     group.add_argument(
         "--log-level",
@@ -146,6 +163,8 @@ def router_settings(args: argparse.Namespace):
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UserError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     sizes = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    if args.admin_api_key and args.admin_api_key == args.api_key:
+        raise UserError("--admin-api-key must differ from --api-key: clients hold the API key")
     return RouterSettings(
         policy=args.policy or "least_load",
         api_key=args.api_key,
@@ -156,6 +175,8 @@ def router_settings(args: argparse.Namespace):
         balance_threshold=args.balance_threshold,
         prefill_timeout=args.prefill_timeout,
         metrics_require_auth=args.metrics_require_auth,
+        admin_api_key=args.admin_api_key,
+        worker_admin_api_key=args.worker_admin_api_key or args.admin_api_key,
         tracer=tracer_from_args(args, "nanollmserve-router"),
         **sizes,
     )

@@ -84,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(default: ${API_KEY_ENV}; prefer the variable, command lines are visible)",
     )
     group.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the operator's key for the admin routes (POST /sleep, /wake_up, GET "
+        "/is_sleeping, /debug/steps), never the API key; without it those routes are off "
+        "(404) (default: $NANOLLMSERVE_ADMIN_API_KEY; prefer the variable)",
+    )
+    group.add_argument(
         "--max-queue-len",
         type=int,
         default=None,
@@ -152,7 +159,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--enable-debug-endpoints",
         action="store_true",
         help="serve GET /debug/steps, the engine's flight record (--step-record), behind "
-        "the API key (default: off, a 404)",
+        "the admin key, --admin-api-key (default: off, a 404)",
     )
     group.add_argument(
         "--metrics-require-auth",
@@ -286,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
     idle = args.sleep_idle_seconds
     if idle is not None and not (math.isfinite(idle) and idle > 0):
         raise UserError(f"--sleep-idle-seconds must be a number of seconds > 0, got {idle}")
+    if args.admin_api_key and args.admin_api_key == args.api_key:
+        raise UserError("--admin-api-key must differ from --api-key: clients hold the API key")
     limits_from_args(args)  # a bad limit fails before the model loads
     structured_output_limits_from_args(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -388,6 +397,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     settings = ServerSettings(
         served_model_names=args.served_model_name or [],
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         metrics_require_auth=args.metrics_require_auth,
         response_store_max_bytes=args.responses_store_max_bytes,
         limits=limits_from_args(args),

@@ -1,7 +1,8 @@
 """`nanollmserve trace export --format chrome`: a flight record as a Chrome trace / Perfetto
 JSON file (`engine/trace_export.py`), from a saved record (`--input FILE`, the JSON lines of
-/debug/steps) or a running server (`--url URL`, which needs `--enable-debug-endpoints`; the
-API key comes from `--api-key` or NANOLLMSERVE_API_KEY).
+/debug/steps) or a running server (`--url URL`, which needs `--enable-debug-endpoints` and
+`--admin-api-key`: /debug/steps is an admin route; the key comes from `--admin-api-key`
+(alias `--api-key`) or NANOLLMSERVE_ADMIN_API_KEY).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 
 from nanollmserve.errors import UserError
 
-API_KEY_ENV = "NANOLLMSERVE_API_KEY"
+API_KEY_ENV = "NANOLLMSERVE_ADMIN_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--since", type=int, default=0, metavar="STEP", help="steps from this one (default 0)"
     )
     export.add_argument(
-        "--api-key", default=None, help=f"the server's API key (default: ${API_KEY_ENV})"
+        "--admin-api-key",
+        "--api-key",
+        dest="api_key",
+        default=None,
+        help=f"the server's admin key (/debug/steps is an admin route) (default: ${API_KEY_ENV})",
     )
     export.add_argument("--output", required=True, metavar="FILE", help="the trace JSON to write")
     export.set_defaults(func=run_export)
@@ -73,6 +78,7 @@ def _fetch_lines(url: str, since: int, api_key: str | None) -> list[str]:
     if response.status_code != 200:
         raise UserError(
             f"{url}/debug/steps answered {response.status_code} (is the server started with "
-            f"--enable-debug-endpoints, and the API key right?): {response.text[:200]}"
+            f"--enable-debug-endpoints and --admin-api-key, and the admin key right?): "
+            f"{response.text[:200]}"
         )
     return response.text.splitlines()

@@ -33,7 +33,12 @@ class ServeWorkerActor:
     """The body of one worker actor (made a Ray actor class by `RayWorkers`)."""
 
     def __init__(
-        self, host: str | None, port: int, serve_args: list[str], api_key: str | None
+        self,
+        host: str | None,
+        port: int,
+        serve_args: list[str],
+        api_key: str | None,
+        admin_api_key: str | None = None,
     ) -> None:
         import ray
 
@@ -41,7 +46,7 @@ class ServeWorkerActor:
         self.port = port
         self.stopping = False
         command = serve_command(self.host, port, serve_args)
-        self.process = start_worker_process(command, worker_env(api_key, devices=None))
+        self.process = start_worker_process(command, worker_env(api_key, None, None, admin_api_key))
         threading.Thread(target=self._exit_with_server, daemon=True).start()
 
     def _exit_with_server(self) -> None:
@@ -73,6 +78,7 @@ class RayWorkers:
         num_gpus: float | None,
         stop_timeout: float = 30.0,
         worker_args: list[list[str]] | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         try:
             import ray
@@ -96,7 +102,7 @@ class RayWorkers:
         self.actors = [
             actor_class.options(
                 max_restarts=max_restarts, num_cpus=num_cpus, num_gpus=num_gpus
-            ).remote(host, base_port + i, serve_args + worker_args[i], api_key)
+            ).remote(host, base_port + i, serve_args + worker_args[i], api_key, admin_api_key)
             for i in range(num_workers)
         ]
         self.stop_timeout = stop_timeout

@@ -29,14 +29,22 @@ def serve_command(host: str, port: int, serve_args: list[str]) -> list[str]:
 
 
 def worker_env(
-    api_key: str | None, devices: str | None, num_threads: int | None = None
+    api_key: str | None,
+    devices: str | None,
+    num_threads: int | None = None,
+    admin_api_key: str | None = None,
 ) -> dict[str, str]:
-    """The worker's environment: the key it requires, the devices it may use, the compute
-    threads it starts (`OMP_NUM_THREADS`, which torch and the native kernels follow)."""
+    """The worker's environment: the key it requires, the admin key of its admin routes
+    (the launcher's, shared with the router only; never the launcher's own variable), the
+    devices it may use, the compute threads it starts (`OMP_NUM_THREADS`, which torch and
+    the native kernels follow)."""
     env = dict(os.environ)
     env.pop("NANOLLMSERVE_API_KEY", None)
+    env.pop("NANOLLMSERVE_ADMIN_API_KEY", None)
     if api_key:
         env["NANOLLMSERVE_API_KEY"] = api_key
+    if admin_api_key:
+        env["NANOLLMSERVE_ADMIN_API_KEY"] = admin_api_key
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     if num_threads is not None:

@@ -348,6 +348,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_loras=config.max_loras if config.enable_lora else 0,
             policy=config.scheduling_policy,
+            priority_aging_steps=config.priority_aging_steps,
         )
         if self.flight_recorder is not None:
             self.kv_cache.block_events = []

@@ -17,6 +17,14 @@ admitted next is the first in that order, the running one preempted for lack of 
 the last in it, and a waiting request that finds the pool (or `max_num_seqs`) full preempts
 running requests later in that order than itself, even ones already scheduled this step.
 
+Aging (`--priority-aging-steps N`, default 1000; 0: off, vLLM's strict order): a request's
+effective priority improves by one level per N engine steps since it arrived, so the order is
+(priority * N + the step it arrived at, arrival time): a request that has waited N steps ranks
+as one of the next more urgent level arriving now. A request asking a more urgent priority
+than one that arrived k levels earlier therefore passes it only within k * N steps of its
+arrival: nobody starves behind a flood of urgent requests. The gap a client can open is
+bounded with `--max-client-priority` (input_processor.py), which bounds the wait.
+
 Prompt logprobs: a request that wants them computes its whole prompt (no prefix-cache hit),
 and the model runner fills `Request.prompt_logprobs` chunk by chunk; they go out with the
 request's first token.
@@ -104,9 +112,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_loras: int = 0,
         policy: str = "fcfs",
+        priority_aging_steps: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
         self.by_priority = policy == "priority"
+        self.priority_aging_steps = priority_aging_steps
+        """Steps of waiting per level of priority gained (0: no aging)."""
+        self.num_steps = 0
+        """Steps scheduled so far (the clock of aging)."""
+        self._arrival_steps: dict[str, int] = {}
+        """The step each unfinished request arrived at."""
         self._first_preempted_key: tuple[int, float] = (0, 0.0)
         """The smallest `_priority_key` among the requests preempted this step."""
         self.max_loras = max_loras
@@ -123,14 +138,16 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self._arrival_steps[request.request_id] = self.num_steps
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput(peak_used_blocks=self.kv_cache.num_used_blocks)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         if self.by_priority:  # the budget goes in priority order; the last is the victim
-            self.running.sort(key=_priority_key)
+            self.running.sort(key=self._priority_key)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -156,7 +173,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self._next_waiting()
             if out.num_preempted and not (
-                self.by_priority and _priority_key(request) < self._first_preempted_key
+                self.by_priority and self._priority_key(request) < self._first_preempted_key
             ):
                 break
             if not self._has_lora_slot(request):
@@ -198,7 +215,7 @@ class Scheduler:
         """The waiting request to admit next: the first to arrive (or be preempted), or
         under priority the first in (priority, arrival) order."""
         if self.by_priority:
-            return min(self.waiting, key=_priority_key)
+            return min(self.waiting, key=self._priority_key)
         return self.waiting[0]
 
     def _computed_blocks(self, request: Request):
@@ -216,8 +233,8 @@ class Scheduler:
         if it was scheduled). Returns the budget that gives back (None: nothing to preempt)."""
         if not self.by_priority or not self.running:
             return None
-        victim = max(self.running, key=_priority_key)
-        if _priority_key(victim) <= _priority_key(request):
+        victim = max(self.running, key=self._priority_key)
+        if self._priority_key(victim) <= self._priority_key(request):
             return None
         self.running.remove(victim)
         freed = 0
@@ -361,13 +378,14 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
+        self._arrival_steps.pop(request.request_id, None)
 
     def _preempt(
         self, request: Request, out: SchedulerOutput, reason: str, for_request: Request
     ) -> None:
         out.num_preempted += 1
         out.preemptions.append((request.request_id, reason, for_request.request_id))
-        key = _priority_key(request)
+        key = self._priority_key(request)
         if out.num_preempted == 1 or key < self._first_preempted_key:
             self._first_preempted_key = key
         self.kv_cache.free(request)
@@ -377,7 +395,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    """Scheduling order under the priority policy: lower priority value first, then arrival."""
-    return request.sampling_params.priority, request.arrival_time
+    def _priority_key(self, request: Request) -> tuple[int, float]:
+        """Scheduling order under the priority policy: lower priority value first (aged: one
+        level per `priority_aging_steps` steps since arrival), then arrival."""
+        priority = request.sampling_params.priority
+        if self.priority_aging_steps:
+            arrived = self._arrival_steps.get(request.request_id, self.num_steps)
+            return priority * self.priority_aging_steps + arrived, request.arrival_time
+        return priority, request.arrival_time

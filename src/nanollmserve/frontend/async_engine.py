@@ -212,6 +212,7 @@ class AsyncEngine:
             grammar_limits=grammar_limits,
             scheduling_policy=config.scheduling_policy,
             pooling=config.runner == "pooling",
+            max_client_priority=config.max_client_priority,
         )
         self.grammar_pool = GrammarCompilePool(
             self.input_processor.grammar_compiler, grammar_limits
@@ -409,6 +410,12 @@ class AsyncEngine:
     @property
     def is_sleeping(self) -> bool:
         return self.engine_loop.is_sleeping
+
+    @property
+    def sleep_requested(self) -> bool:
+        """Put to sleep by `sleep` (not by itself when idle): requests are refused until
+        `wake_up`; /health says `"status": "sleeping"`, so routers send it nothing."""
+        return self.engine_loop.sleep_requested
 
     async def sleep(self, level: int = 1, abort: bool = False) -> None:
         """Free the KV pool (level 2: the weights too) once the requests in flight have

@@ -12,6 +12,10 @@ health checker runs for the app's lifetime; the first round of checks ends befor
 A body over `max_request_bytes` answers 413 before it is read whole (`body_limit.py`, the
 workers' own cap); with an API key, it is checked first (`auth.py`). With a tracer, each
 forwarded generation request is a span (`nanollmserve.tracing`), the parent of the worker's.
+The workers' admin routes (`/sleep`, `/wake_up`, `/is_sleeping`, `/debug/steps`) are never
+forwarded (404); the router's own admin surface (`/admin/workers...`, `admin.py`, behind
+`--admin-api-key`) sleeps, wakes and drains a named worker. A worker asleep or drained gets
+no request; `/health` counts the workers that can take one (503 when none can).
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ from starlette.responses import JSONResponse, Response
 from nanollmserve import __version__
 from nanollmserve.anthropic_errors import AnthropicErrorShape
 from nanollmserve.body_limit import MAX_REQUEST_BYTES, BodySizeLimit, too_large_message
+from nanollmserve.router.admin import (
+    RouterAdminKeyMiddleware,
+    is_admin_path,
+    is_worker_admin_path,
+    not_forwarded,
+)
+from nanollmserve.router.admin import router as admin_router
 from nanollmserve.router.auth import RouterAPIKeyMiddleware
 from nanollmserve.router.errors import error_response
 from nanollmserve.router.health import DEFAULT_INTERVAL_S, DEFAULT_MAX_FAILURES, HealthChecker
@@ -62,6 +73,11 @@ class RouterSettings:
     """Largest request body forwarded (413 beyond), the workers' own default."""
     metrics_require_auth: bool = False
     """With an api_key, /metrics needs it too; by default scrapers read /metrics freely."""
+    admin_api_key: str | None = None
+    """`--admin-api-key`: what the router's admin surface (/admin/...) needs; None: off."""
+    worker_admin_api_key: str | None = None
+    """What the router sends to a worker's admin routes (`--worker-admin-api-key`; the
+    cluster launcher makes one for router and workers)."""
     tracer: object | None = None
     """`--otlp-traces-endpoint`: the `nanollmserve.tracing.spans.Tracer` that gives each
     forwarded generation request a span, the parent of the worker's; None: tracing off."""
@@ -109,10 +125,19 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
 
     @app.get("/health")
     async def health():
-        healthy = len(pool.healthy())
-        if not healthy:
-            return error_response(503, "no healthy worker", "no_healthy_worker")
-        return {"status": "ok", "num_healthy_workers": healthy, "num_workers": len(pool.all())}
+        serving = len(pool.serving())
+        sleeping = sum(w.is_healthy and w.is_sleeping for w in pool.all())
+        draining = sum(w.is_healthy and w.is_draining for w in pool.all())
+        if not serving:
+            note = f" ({sleeping} asleep, {draining} drained)" if sleeping or draining else ""
+            return error_response(503, f"no healthy worker{note}", "no_healthy_worker")
+        return {
+            "status": "ok",
+            "num_healthy_workers": serving,
+            "num_sleeping_workers": sleeping,
+            "num_draining_workers": draining,
+            "num_workers": len(pool.all()),
+        }
 
     @app.get("/stats")
     async def stats(request: Request):
@@ -135,8 +160,12 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
         worker = await app.state.locator.find(response_id, _worker_read_headers(request, app))
         return await app.state.proxy.forward(request, body, None, pinned=worker)
 
+    app.include_router(admin_router)
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(path: str, request: Request):
+        if is_worker_admin_path(request.scope["path"]) or is_admin_path(request.scope["path"]):
+            return not_forwarded(request.scope["path"][:200])
         body = await request.body()
         parsed = _json(body) if request.method == "POST" else None
         key = routing_key(parsed, settings.prefix_chars) if policy.uses_key else None
@@ -159,6 +188,7 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
             api_key=settings.api_key,
             metrics_require_auth=settings.metrics_require_auth,
         )
+    app.add_middleware(RouterAdminKeyMiddleware, admin_api_key=settings.admin_api_key)
     app.add_middleware(AnthropicErrorShape)  # outside auth: its 401 too
     return app
 

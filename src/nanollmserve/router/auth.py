@@ -2,7 +2,8 @@
 `--metrics-require-auth`) and the playground page needs `Authorization: Bearer <key>` (or
 `x-api-key: <key>`, as Anthropic's clients send it); anything else answers 401 in the OpenAI
 error shape (Anthropic's on the Messages routes). The key is compared in constant time
-and never logged. The check reads the ASGI `scope["path"]`, the path the proxy forwards
+and never logged. The router's admin routes (`/admin/...`) are left to their own key
+(`admin.py`). The check reads the ASGI `scope["path"]`, the path the proxy forwards
 (`forwarded_path`), never one rebuilt from the Host header. (The workers' own check,
 `api/auth.py`, lives in a package that loads the engine; the router does not.)
 """
@@ -30,7 +31,10 @@ class RouterAPIKeyMiddleware:
         self.open_paths = OPEN_PATHS if metrics_require_auth else OPEN_PATHS | {METRICS_PATH}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        # /admin/...: the admin key's (admin.py), never this one.
+        path = scope["path"] if scope["type"] == "http" else ""
+        admin = path == "/admin" or path.startswith("/admin/")
+        if scope["type"] != "http" or path in self.open_paths or admin:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

@@ -1,7 +1,9 @@
 """HealthChecker: polls every worker's /health each `interval` seconds.
 
 A worker that answers 200 is (back) in the rotation, with the KV role its answer names
-(`"kv_role"`: prefill, decode or both; both when it names none, as before `--kv-role`).
+(`"kv_role"`: prefill, decode or both; both when it names none, as before `--kv-role`),
+unless its answer says `"status": "sleeping"` (put to sleep with `POST /sleep`): it stays
+healthy but gets no traffic until a check sees it awake.
 One that refuses the connection leaves it at once; one that fails otherwise (an error
 status, a timeout) leaves it after `max_failures` checks in a row. The proxy also takes a
 worker out when a request to it cannot connect or is cut before its first byte, without
@@ -49,6 +51,8 @@ class HealthChecker:
             return
         if response.status_code == 200:
             worker.mark_up(_kv_role(response))
+            if not worker.sleep_call_pending:  # the admin surface's own call decides then
+                worker.set_sleeping(_status(response) == "sleeping")
         else:
             self._failed(worker, f"/health answered {response.status_code}")
 
@@ -64,6 +68,14 @@ class HealthChecker:
         while True:
             await self.check_all()
             await asyncio.sleep(self.interval)
+
+
+def _status(response: httpx.Response) -> str:
+    try:
+        status = response.json().get("status", "ok")
+    except (ValueError, AttributeError):
+        return "ok"
+    return status if isinstance(status, str) else "ok"
 
 
 def _kv_role(response: httpx.Response) -> str:

@@ -82,7 +82,7 @@ class PrefillPhase:
         tried: set[Worker] = set()
         failed_worker: Worker | None = None
         while True:
-            candidates = proxy.policy.prefill_workers(proxy.pool.healthy())
+            candidates = proxy.policy.prefill_workers(proxy.pool.serving())
             candidates = [worker for worker in candidates if worker not in tried]
             if not candidates:
                 break

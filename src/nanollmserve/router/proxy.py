@@ -142,12 +142,14 @@ class Proxy:
                 502, f"no worker could answer the request: {failure.reason}", "worker_failed"
             )
         what = "worker" if self.policy.prefill is None else "decode (or both) worker"
+        asleep = sum(w.is_healthy and w.is_sleeping for w in self.pool.all())
+        note = f" ({asleep} asleep)" if asleep else ""
         return error_response(
-            503, f"no healthy {what}", "no_healthy_worker", headers={"Retry-After": "1"}
+            503, f"no healthy {what}{note}", "no_healthy_worker", headers={"Retry-After": "1"}
         )
 
     def serving_workers(self) -> list[Worker]:
-        return [worker for worker in self.pool.healthy() if self.policy.serves(worker)]
+        return [worker for worker in self.pool.serving() if self.policy.serves(worker)]
 
     async def _attempt(self, worker: Worker, request: Request, body: bytes, gone) -> object:
         """A Response for the client, or a Failure that another worker may retry."""

@@ -24,6 +24,8 @@ async def cluster_stats(
         {
             "url": worker.url,
             "is_healthy": worker.is_healthy,
+            "is_sleeping": worker.is_sleeping,
+            "is_draining": worker.is_draining,
             "kv_role": worker.kv_role,
             "num_in_flight": worker.num_in_flight,
             "num_routed": worker.num_routed,

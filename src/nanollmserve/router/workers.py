@@ -1,5 +1,6 @@
-"""The router's view of its workers: a `Worker` per URL (health, KV role, requests in flight,
-routed / failed / retried counts) and the `WorkerPool` the policies choose from. The cluster
+"""The router's view of its workers: a `Worker` per URL (health, sleep, drain, KV role,
+requests in flight, routed / failed / retried counts) and the `WorkerPool` the policies
+choose from: `serving()`, the healthy workers neither asleep nor drained. The cluster
 launcher replaces the pool's URLs when Ray restarts a worker somewhere else (`set_urls`).
 """
 
@@ -38,6 +39,24 @@ class Worker:
     kv_role: str = "both"
     """What its /health says it serves (`serve --kv-role`): prefill, decode or both (a
     worker that does not say serves both)."""
+    is_sleeping: bool = False
+    """Its /health says `"status": "sleeping"` (put to sleep: it answers requests 503 until
+    woken), or the router's admin surface is putting it to sleep: it gets no traffic."""
+    is_draining: bool = False
+    """Drained through the router's admin surface: no new requests until undrained."""
+    sleep_call_pending: bool = False
+    """The admin surface's /sleep or /wake_up call to it is under way (health checks then
+    leave `is_sleeping` alone)."""
+
+    @property
+    def is_serving(self) -> bool:
+        """In the rotation: healthy, awake and not drained."""
+        return self.is_healthy and not self.is_sleeping and not self.is_draining
+
+    def set_sleeping(self, sleeping: bool) -> None:
+        if sleeping != self.is_sleeping:
+            logger.info("worker %s is %s", self.url, "asleep" if sleeping else "awake")
+        self.is_sleeping = sleeping
 
     def mark_up(self, kv_role: str = "both") -> None:
         self.num_failed_checks = 0
@@ -70,6 +89,10 @@ class WorkerPool:
 
     def healthy(self) -> list[Worker]:
         return [worker for worker in self.workers.values() if worker.is_healthy]
+
+    def serving(self) -> list[Worker]:
+        """The workers requests may go to: healthy, awake, not drained."""
+        return [worker for worker in self.workers.values() if worker.is_serving]
 
     def get(self, url: str) -> Worker | None:
         return self.workers.get(normalize_url(url))
