@@ -58,10 +58,9 @@ def _completion(client, prompt: str, max_tokens: int, priority: int, **kwargs):
     )
 
 
-def test_high_priority_request_preempts_a_full_pool_and_finishes_first(server):
-    client = server.openai(strict=False)
-    low_prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
-    high_prompt = "Quick question: what is two plus two?"
+def _race(client, server, low_prompts, high_prompt):
+    """Four low-priority streams fill the pool, then one high-priority request: (finish
+    time per request, the low streams' texts, the high completion)."""
     finished: dict[str, float] = {}
     texts: dict[str, str] = {}
 
@@ -84,9 +83,23 @@ def test_high_priority_request_preempts_a_full_pool_and_finishes_first(server):
     finished["high"] = time.monotonic()
     for thread in threads:
         thread.join(120)
+    return finished, texts, high
+
+
+def test_high_priority_request_preempts_a_full_pool_and_finishes_first(server):
+    client = server.openai(strict=False)
+    low_prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
+    high_prompt = "Quick question: what is two plus two?"
+    # A low stream the engine was running when the high request reached it may be a few
+    # tokens from its end and finish first; on a loaded machine the request can take that
+    # long to arrive. So the race is run up to three times: under first-come-first-served
+    # the high request waits for 4 x LOW_TOKENS tokens and never wins one.
+    for _ in range(3):
+        finished, texts, high = _race(client, server, low_prompts, high_prompt)
+        if min(finished, key=finished.get) == "high":
+            break
     assert server.stats()["num_preemptions"] > 0  # the pool was contended
-    assert min(finished, key=finished.get) == "high"
-    assert not any(name in finished and finished[name] < finished["high"] for name in texts)
+    assert min(finished, key=finished.get) == "high", finished
     # greedy outputs equal those of runs with nothing else going on
     assert high.choices[0].text == _completion(client, high_prompt, 8, 0).choices[0].text
     for i, prompt in enumerate(low_prompts):
