@@ -56,7 +56,7 @@ def main() -> None:
         reader = KVBlockStore(directory, 1 << 34)  # another process's view: a fresh index
         started = time.perf_counter()
         for name, _, _ in blocks:
-            deserialize_block(reader.read(name))
+            deserialize_block(reader.read(name), reader.key)
         reads.append(time.perf_counter() - started)
         store.close()
         reader.close()

@@ -14,6 +14,7 @@ from lora_adapters import adapter_dir
 from nanollmserve import LoRARequest, SamplingParams
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.kv_block_format import deserialize_block
+from nanollmserve.engine.kv_block_store import store_key
 from nanollmserve.errors import UserError
 
 pytestmark = pytest.mark.milestone("m25")
@@ -41,7 +42,7 @@ def block_files(store: Path) -> dict[tuple[int, ...], Path]:
     """Token ids a block covers -> its file."""
     files = {}
     for path in store.glob("*/*.kvb"):
-        header, _ = deserialize_block(bytearray(path.read_bytes()))
+        header, _ = deserialize_block(bytearray(path.read_bytes()), store_key(store))
         files[header.token_ids] = path
     return files
 
@@ -94,7 +95,7 @@ def test_a_corrupt_truncated_or_misnamed_block_is_never_loaded_and_is_deleted(ma
         assert out.num_cached_tokens == bad_block * BLOCK
         assert out.outputs[0].token_ids == cold.outputs[0].token_ids
     for path in tmp_path.glob("*/*.kvb"):
-        deserialize_block(bytearray(path.read_bytes()))  # raises for a bad one
+        deserialize_block(bytearray(path.read_bytes()), store_key(tmp_path))  # raises if bad
     assert file_of_block(tmp_path, ids, 3).read_bytes() != bytes(data)
     full = run(make_llm(kv_offload_dir=str(tmp_path)))
     assert full.num_cached_tokens == (len(ids) - 1) // BLOCK * BLOCK

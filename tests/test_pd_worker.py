@@ -24,6 +24,7 @@ import torch
 from live_server import LiveServer, shared_server
 
 from nanollmserve.engine.kv_block_format import deserialize_block
+from nanollmserve.engine.kv_block_store import store_key
 
 pytestmark = pytest.mark.milestone("m26")
 
@@ -42,7 +43,7 @@ PROMPTS = [_PREAMBLE * 3 + f"Question: explain how {topic} form." for topic in _
 # worker's KV pool, and must still hand its blocks on.
 PROMPTS += [_PREAMBLE * 3 + "Question: explain how rivers change course over centuries."]
 PROMPTS += [_PREAMBLE * 3 + "Question: explain how volcanoes affect the weather."]
-_PREFIX = struct.Struct("<8sIIQI")
+_PREFIX = struct.Struct("<8sIIQ32s")
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def test_a_corrupt_block_is_recomputed_never_used(workers, store):
     blocks = chain_order(store_files(store) - before)
     assert len(blocks) == handed["remote_blocks"] >= 3
     intact = blocks[1].read_bytes()
-    written_header, written_kv = deserialize_block(intact)
+    written_header, written_kv = deserialize_block(intact, store_key(store))
     data = bytearray(intact)
     data[-1] ^= 0xFF  # one bit pattern of the second block's K/V payload
     blocks[1].write_bytes(bytes(data))
@@ -195,7 +196,7 @@ def test_a_corrupt_block_is_recomputed_never_used(workers, store):
     assert blocks[1].exists(), "the recomputed block was never written back"
     rewritten = blocks[1].read_bytes()
     assert rewritten != data, "the corrupt block is still there"
-    header, kv = deserialize_block(rewritten)  # magic, lengths and checksum hold
+    header, kv = deserialize_block(rewritten, store_key(store))  # magic, lengths, MAC hold
     assert header == written_header  # the same layout, tokens and place in the chain
     # The decode worker's K/V for those tokens: the prefill worker's, up to the rounding of
     # a prefill that started at the block instead of at the prompt's first token.

@@ -5,8 +5,15 @@ P workers with `--kv-role prefill`, then D with `--kv-role decode`, all pointed 
 Without a `--kv-offload-dir` among the serve flags, the store is a fresh directory under
 /dev/shm (memory: the shared-memory transport on one host; the temp directory where there
 is no /dev/shm), made before the workers start and removed when the cluster stops. A
-directory the user gives is used as it is and kept. Ray across machines needs one given:
-every node must see the same directory (a shared file system), which this cannot make.
+directory the user gives is kept. Ray across machines needs one given: every node must see
+the same directory (a shared file system), which this cannot make.
+
+Either way the launcher opens the store before any worker starts (`kv_block_store`: a
+private directory, 0700, marked as a store; a directory another user owns or could write,
+or a non-empty one that is not a store, stops the cluster with the reason) and creates its
+one MAC key (`store_key`: a 0600 file in the store, made exclusively). The workers are given
+the store's path and read that key from it, so every prefill and decode worker signs and
+checks blocks with the same key, and a block no worker wrote is never loaded.
 """
 
 from __future__ import annotations
@@ -40,9 +47,17 @@ class Roles:
     def shared_store(self) -> Iterator[list[list[str]]]:
         """The serve flags each worker adds to the common ones (prefill workers first), with
         the store they share made for the time of the block (unless the user gave one)."""
+        from nanollmserve.engine.kv_block_store import open_store_dir, store_key
+
         made = None
         if self.given_store is None:
             made = tempfile.mkdtemp(prefix=STORE_PREFIX, dir=SHM_DIR if SHM_DIR.is_dir() else None)
+        try:
+            store_key(open_store_dir(made or self.given_store))  # the workers' shared key
+        except BaseException:
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+            raise
         store = [] if made is None else ["--kv-offload-dir", made]
         roles = ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
         try:

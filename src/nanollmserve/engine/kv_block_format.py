@@ -3,8 +3,9 @@ prefill/decode disaggregation will ship between workers.
 
 A block is `block_size` token positions of K and V for every layer. Its bytes are
 
-    prefix   "<8sIIQI": magic b"NLSKVBLK", format version, header length, payload length,
-             CRC-32 of the header and the payload together
+    prefix   "<8sIIQ32s": magic b"NLSKVBLK", format version, header length, payload length,
+             HMAC-SHA256 (with the store's key) of the prefix's first 24 bytes, the header
+             and the payload
     header   UTF-8 JSON (`KVBlockHeader`): the model id, the KV layout (layer count, KV heads,
              head dim, dtype, block size), the token ids the block covers, its hash and its
              parent's hash in the prefix chain
@@ -12,23 +13,32 @@ A block is `block_size` token positions of K and V for every layer. Its bytes ar
              C order, in the header's dtype, little-endian
 
 The reader trusts nothing: a wrong magic, an unknown version, a length that does not match
-what is there (a truncated file) or a checksum that does not match raises `KVBlockFormatError`,
+what is there (a truncated file) or a MAC that does not match raises `KVBlockFormatError`. The
+MAC is keyed (`kv_block_store.store_key`): whoever does not hold the key cannot make a block
+this reader accepts, even with the right header, name and layout; a checksum (version 1 had a
+CRC-32) would only catch accidents. A block from another key reads as corrupt.
 and a header that parses is still compared with the reader's own layout before any byte of
 K/V is used (`KVBlockHeader.layout` / `KVLayout`). Pure functions: no files, no engine state.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
-import zlib
 from dataclasses import asdict, dataclass
 
 import torch
 
+from nanollmserve.engine.kv_block_store import KEY_BYTES
+
 MAGIC = b"NLSKVBLK"
-VERSION = 1
-_PREFIX = struct.Struct("<8sIIQI")
+VERSION = 2
+"""2: an HMAC-SHA256 with the store's key instead of version 1's CRC-32."""
+_PREFIX = struct.Struct("<8sIIQ32s")
+_MACED_PREFIX = struct.Struct("<8sIIQ")
+"""The prefix's fields before the MAC: they are authenticated with the header and payload."""
 MAX_HEADER_BYTES = 1 << 20
 """A header is a few hundred bytes plus the token ids: anything longer is not ours."""
 
@@ -128,9 +138,21 @@ class KVBlockHeader:
         return header
 
 
-def serialize_block(header: KVBlockHeader, kv: torch.Tensor) -> list[bytes | memoryview]:
+def _mac(key: bytes, maced_prefix, header_bytes, payload) -> bytes:
+    if len(key) < KEY_BYTES:
+        raise KVBlockFormatError(f"a block key has at least {KEY_BYTES} bytes")
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in (maced_prefix, header_bytes, payload):
+        mac.update(part)
+    return mac.digest()
+
+
+def serialize_block(
+    header: KVBlockHeader, kv: torch.Tensor, key: bytes
+) -> list[bytes | memoryview]:
     """The block's bytes as buffers to write one after the other (the payload is a view of
-    `kv`'s memory, not a copy): `kv` is one block's K/V on the CPU, in the header's layout."""
+    `kv`'s memory, not a copy): `kv` is one block's K/V on the CPU, in the header's layout;
+    `key` the store's MAC key."""
     layout = header.layout
     if tuple(kv.shape) != layout.block_shape or kv.dtype != layout.torch_dtype:
         raise KVBlockFormatError(
@@ -139,18 +161,20 @@ def serialize_block(header: KVBlockHeader, kv: torch.Tensor) -> list[bytes | mem
         )
     payload = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
     header_bytes = header.to_json()
-    checksum = zlib.crc32(payload, zlib.crc32(header_bytes))
-    prefix = _PREFIX.pack(MAGIC, VERSION, len(header_bytes), len(payload), checksum)
+    maced = _MACED_PREFIX.pack(MAGIC, VERSION, len(header_bytes), len(payload))
+    prefix = maced + _mac(key, maced, header_bytes, payload)
     return [prefix, header_bytes, payload]
 
 
-def deserialize_block(data: bytes | bytearray | memoryview) -> tuple[KVBlockHeader, torch.Tensor]:
+def deserialize_block(
+    data: bytes | bytearray | memoryview, key: bytes
+) -> tuple[KVBlockHeader, torch.Tensor]:
     """-> (header, K/V tensor [2, layers, block_size, kv_heads, head_dim] on the CPU), or
-    KVBlockFormatError when the bytes are not one intact block."""
+    KVBlockFormatError when the bytes are not one intact block written with `key`."""
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size:
         raise KVBlockFormatError("truncated: shorter than the block prefix")
-    magic, version, header_len, payload_len, checksum = _PREFIX.unpack_from(view)
+    magic, version, header_len, payload_len, mac = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise KVBlockFormatError("not a KV block (bad magic)")
     if version != VERSION:
@@ -162,8 +186,11 @@ def deserialize_block(data: bytes | bytearray | memoryview) -> tuple[KVBlockHead
         )
     header_bytes = view[_PREFIX.size : _PREFIX.size + header_len]
     payload = view[_PREFIX.size + header_len :]
-    if zlib.crc32(payload, zlib.crc32(header_bytes)) != checksum:
-        raise KVBlockFormatError("checksum mismatch: the block is corrupt")
+    expected = _mac(key, view[: _MACED_PREFIX.size], header_bytes, payload)
+    if not hmac.compare_digest(expected, mac):
+        raise KVBlockFormatError(
+            "MAC mismatch: the block is corrupt or was not written with this store's key"
+        )
     header = KVBlockHeader.from_json(bytes(header_bytes))
     layout = header.layout
     if payload_len != layout.block_bytes:

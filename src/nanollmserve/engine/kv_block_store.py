@@ -19,6 +19,18 @@ disk, not this index, says what is stored. `contains` finds a file another proce
 a reader holding a file open keeps reading it whole even when it is deleted or replaced
 meanwhile. Each process bounds by `max_bytes` the files it wrote or adopted, so two writers
 keep at most the sum of their bounds on disk.
+
+The directory is private and marked as ours (`open_store_dir`, the rules of the native
+library cache, `model/private_cache.py`): it is made 0700, its shard directories 0700 and its
+files 0600; a directory or file owned by another user (root aside) or writable by group or
+others is refused with a `UserError` that says why. A new or empty directory gets a marker
+file (`MARKER`) when it is first opened, and a non-empty directory without one is refused,
+never emptied. Nothing here follows a symbolic link inside the store (every open, stat,
+rename and unlink is relative to a shard directory opened with O_NOFOLLOW), and the only
+files ever deleted are block files (`<hex>.kvb`) and this module's own temporary files
+(`<hex>.<pid>.<hex>.tmp`), in a marked directory: anything else found there is left alone.
+Blocks carry an HMAC-SHA256 keyed by `store_key` (a 0600 key file in the store, created once,
+exclusively), so a block this store's writers did not make is refused like a corrupt one.
 """
 
 from __future__ import annotations
@@ -27,17 +39,29 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from nanollmserve.errors import UserError
+from nanollmserve.model.private_cache import (
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    UntrustedCacheError,
+    check_trusted,
+)
 
-from nanollmserve.engine.kv_block_format import KVBlockHeader, serialize_block
+if TYPE_CHECKING:  # the cluster launcher opens a store without importing torch
+    import torch
+
+    from nanollmserve.engine.kv_block_format import KVBlockHeader
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +70,113 @@ MAX_PENDING_BYTES = 256 << 20
 """K/V copies waiting for the writer thread, at most: past that, new blocks are dropped."""
 STALE_TEMP_SECONDS = 3600.0
 """A temporary file older than this was left by a process that died mid-write."""
+MARKER = ".nanollmserve-kv-store"
+"""Written (exclusively, 0600) into a new or empty directory the first time it is opened: a
+directory without it is not a store, and nothing in it is ever deleted."""
+KEY_FILE = ".nanollmserve-kv-key"
+KEY_BYTES = 32
+"""The store's MAC key, hex (0600, owner-only: readable by another user, it is refused)."""
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_BLOCK = re.compile(r"[0-9a-f]{2,128}\.kvb")
+_TEMP = re.compile(r"[0-9a-f]{2,128}\.[0-9]+\.[0-9a-f]{8}\.tmp")
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_REMEDY = (
+    "Give --kv-offload-dir a directory of your own that only you can write (a new one is "
+    "made 0700), or fix its owner and mode (chmod 700)"
+)
+
+
+def open_store_dir(directory: str | Path) -> Path:
+    """Make or check a store directory -> its path. A missing one is made 0700 and marked; an
+    existing one must be owned by this user (or root) and not writable by group or others,
+    and must be marked already or empty (then it is marked); one this user owns is made
+    0700. A `UserError` says why a directory is refused."""
+    path = Path(directory)
+    what = "the KV store directory"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, PRIVATE_DIR_MODE)
+        check_trusted(path, what, _REMEDY)
+        if not path.is_dir():
+            raise UserError(f"--kv-offload-dir {path} is not a directory")
+        if path.stat().st_uid == os.getuid():
+            os.chmod(path, PRIVATE_DIR_MODE)  # ours: only we read the prompts' token ids
+        entries = os.listdir(path)
+        if MARKER not in entries:
+            if entries:
+                raise UserError(
+                    f"--kv-offload-dir {path} holds {len(entries)} entries but is not a KV "
+                    f"block store (no {MARKER} file): it is refused rather than emptied. Give "
+                    f"a new or empty directory (for example a subdirectory of this one)"
+                )
+            with contextlib.suppress(FileExistsError):  # another worker marked it first
+                _write_private(path, MARKER, b"nanollmserve KV block store\n")
+        marker = path / MARKER
+        if not stat.S_ISREG(os.lstat(marker).st_mode):
+            raise UserError(f"--kv-offload-dir {path}: {MARKER} is not a regular file")
+        check_trusted(marker, what, _REMEDY)
+    except UntrustedCacheError as exc:
+        raise UserError(f"--kv-offload-dir: {exc}") from None
+    except OSError as exc:
+        raise UserError(f"--kv-offload-dir {path}: {exc}") from None
+    return path
+
+
+def store_key(directory: str | Path) -> bytes:
+    """The MAC key of the (opened) store `directory`, made on first use: 32 random bytes in
+    `KEY_FILE`, written 0600 under a temporary name and linked into place, which fails if a
+    key is there already (then that key is used: every process of a store shares one). The
+    key file must be a regular file owned by this user (or root) that no other user can read
+    or write, else `UserError`."""
+    path = Path(directory)
+    try:
+        with contextlib.suppress(FileExistsError):
+            temp = f"{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            _write_private(path, temp, secrets.token_hex(KEY_BYTES).encode() + b"\n")
+            try:
+                os.link(path / temp, path / KEY_FILE, follow_symlinks=False)
+            finally:
+                os.unlink(path / temp)
+        fd = os.open(path / KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            text = f.read(4 * KEY_BYTES)
+    except OSError as exc:
+        raise UserError(f"--kv-offload-dir {path}: cannot read its key {KEY_FILE}: {exc}") from None
+    if (
+        not stat.S_ISREG(info.st_mode)
+        or info.st_uid not in (os.getuid(), 0)
+        or info.st_mode & 0o077
+    ):
+        raise UserError(
+            f"--kv-offload-dir {path}: refusing its key {KEY_FILE}: it is not a regular file "
+            f"that only this user can read and write (0600). Delete it (a new key is made; "
+            f"the blocks already there are then recomputed)"
+        )
+    try:
+        key = bytes.fromhex(text.decode().strip())
+    except ValueError:
+        key = b""
+    if len(key) < KEY_BYTES:
+        raise UserError(f"--kv-offload-dir {path}: its key {KEY_FILE} is not {KEY_BYTES} hex bytes")
+    return key
+
+
+def _write_private(directory: Path, name: str, data: bytes) -> None:
+    """Create `directory/name` exclusively (FileExistsError if it exists), 0600, with `data`."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    fd = os.open(directory / name, flags, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), PRIVATE_FILE_MODE)
+        f.write(data)
 
 
 class KVBlockStore:
     def __init__(self, directory: str | Path, max_bytes: int) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = open_store_dir(directory)
+        self.key = store_key(self.directory)
+        """The MAC key every block here is written and read with."""
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()
@@ -82,11 +207,39 @@ class KVBlockStore:
     def path(self, name: str) -> Path:
         return self.directory / name[:2] / f"{name}{SUFFIX}"
 
+    @contextlib.contextmanager
+    def _shard(self, name: str, create: bool = False):
+        """The fd of block `name`'s shard directory, opened without following a link (a link
+        or anything but a directory there raises OSError); `create`: made 0700 if missing."""
+        shard = self.directory / name[:2]
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(shard, PRIVATE_DIR_MODE)
+        fd = os.open(shard, _NOFOLLOW_DIR)
+        try:
+            if create:
+                os.fchmod(fd, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _stat(self, name: str) -> os.stat_result:
+        """The block file's own stat (OSError: missing, or not a regular file: a link)."""
+        with self._shard(name) as shard:
+            info = os.stat(f"{name}{SUFFIX}", dir_fd=shard, follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileNotFoundError(f"{name}{SUFFIX} is not a regular file")
+        return info
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(OSError), self._shard(name) as shard:
+            os.unlink(f"{name}{SUFFIX}", dir_fd=shard)  # removes a link, never its target
+
     def contains(self, name: str) -> bool:
         """On disk now (a block still being written is not), whichever process wrote it: a
         file another process wrote is adopted into this index, one it deleted forgotten."""
         try:
-            size = self.path(name).stat().st_size
+            size = self._stat(name).st_size
         except OSError:
             self._forget(name)
             return False
@@ -139,16 +292,21 @@ class KVBlockStore:
 
     def read(self, name: str) -> bytearray | None:
         """The file's bytes (None if it is gone), marking it the most recently used."""
-        path = self.path(name)
+        file = f"{name}{SUFFIX}"
         try:
-            with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                num_read = f.readinto(data)
+            with self._shard(name) as shard:
+                fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=shard)
+                with os.fdopen(fd, "rb") as f:
+                    info = os.fstat(f.fileno())
+                    if not stat.S_ISREG(info.st_mode):
+                        raise FileNotFoundError(f"{file} is not a regular file")
+                    data = bytearray(info.st_size)
+                    num_read = f.readinto(data)
+                with contextlib.suppress(OSError):  # evicted since it was opened: read whole
+                    os.utime(file, dir_fd=shard, follow_symlinks=False)
         except OSError:  # gone: evicted (here or by another process) or never written
             self._forget(name)
             return None
-        with contextlib.suppress(OSError):  # evicted since it was opened: still read whole
-            os.utime(path)
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
@@ -157,7 +315,7 @@ class KVBlockStore:
     def discard(self, name: str) -> None:
         """Delete a file the caller found corrupt or foreign: it is never read again."""
         self._forget(name)
-        self.path(name).unlink(missing_ok=True)
+        self._unlink(name)
 
     def close(self, timeout: float = 60.0) -> None:
         """Write what is queued (up to `timeout` seconds), then stop the writer thread."""
@@ -172,17 +330,29 @@ class KVBlockStore:
                 self._bytes -= size
 
     def _scan(self) -> None:
+        """Index the block files of the shard directories. Only real directories and regular
+        files count (links are skipped, never followed); only this module's temporary files
+        an hour old are deleted; anything else is left alone."""
         found = []
         now = time.time()
-        for path in self.directory.glob("??/*"):
+        with os.scandir(self.directory) as top:
+            shards = [e.name for e in top if _SHARD.fullmatch(e.name) and not e.is_symlink()]
+        for shard_name in shards:
             try:
-                stat = path.stat()
-            except OSError:
-                continue
-            if path.suffix == SUFFIX:
-                found.append((stat.st_mtime, path.stem, stat.st_size))
-            elif now - stat.st_mtime > STALE_TEMP_SECONDS:
-                path.unlink(missing_ok=True)
+                with self._shard(shard_name) as shard, os.scandir(shard) as entries:
+                    for entry in entries:
+                        if not entry.is_file(follow_symlinks=False):
+                            continue
+                        info = entry.stat(follow_symlinks=False)
+                        if _BLOCK.fullmatch(entry.name):
+                            found.append((info.st_mtime, entry.name[: -len(SUFFIX)], info.st_size))
+                        elif (
+                            _TEMP.fullmatch(entry.name) and now - info.st_mtime > STALE_TEMP_SECONDS
+                        ):
+                            with contextlib.suppress(OSError):
+                                os.unlink(entry.name, dir_fd=shard)
+            except OSError:  # not a directory (a link is refused by O_NOFOLLOW)
+                logger.warning("KV store %s: skipping %s", self.directory, shard_name)
         for _, name, size in sorted(found):
             self._files[name] = size
             self._bytes += size
@@ -211,14 +381,18 @@ class KVBlockStore:
                     future.set_result(None)
 
     def _write(self, name: str, header: KVBlockHeader, kv: torch.Tensor) -> int:
-        path = self.path(name)
-        path.parent.mkdir(exist_ok=True)
-        temp = path.with_name(f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        from nanollmserve.engine.kv_block_format import serialize_block
+
+        temp = f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         size = 0
-        with open(temp, "wb") as f:
-            for buffer in serialize_block(header, kv):
-                size += f.write(buffer)
-        os.replace(temp, path)
+        with self._shard(name, create=True) as shard:
+            fd = os.open(temp, flags, PRIVATE_FILE_MODE, dir_fd=shard)
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), PRIVATE_FILE_MODE)
+                for buffer in serialize_block(header, kv, self.key):
+                    size += f.write(buffer)
+            os.replace(temp, f"{name}{SUFFIX}", src_dir_fd=shard, dst_dir_fd=shard)
         return size
 
     def _evict(self) -> None:
@@ -226,7 +400,7 @@ class KVBlockStore:
         while self._bytes > self.max_bytes and self._files:
             name, size = self._files.popitem(last=False)
             self._bytes -= size
-            self.path(name).unlink(missing_ok=True)
+            self._unlink(name)
 
 
 def _settle(waiting: set[str], name: str) -> bool:

@@ -16,12 +16,16 @@ digests the KV layout (model id, layer count, KV heads, head dim, dtype, block s
 LoRA adapter's weights and the request's `cache_salt`. A block computed under another model,
 weight format, dtype, layout, adapter or salt is therefore never even looked up, and a file
 whose header does not match what the request expects (layout, token ids, hashes) is
-deleted, never loaded. The model id digests the weight files' contents (size, first and last
-MiB) and the weight format, not their paths or times.
+deleted, never loaded. The model id digests the weight files' whole contents (the sha256 the
+GGUF cache records once per file identity, `gguf_cache.file_sha256`), the model config (rope
+settings included), the weight dtype and format and the KV cache dtype, not their paths or
+times. The store (`kv_block_store.py`) is a private, marked directory and every block carries
+an HMAC with the store's key: a block planted by whoever lacks the key is never loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,7 +54,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DIGEST_BYTES = 16
-_FINGERPRINT_SPAN = 1 << 20
 
 
 class KVOffload:
@@ -81,7 +84,7 @@ class KVOffload:
         _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         try:
             layout = KVLayout(
-                model_id=model_id(loaded),
+                model_id=model_id(loaded, config.kv_cache_dtype),
                 num_layers=num_layers,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
@@ -148,7 +151,7 @@ class KVOffload:
             if data is None:
                 return offset
             try:
-                header, kv = deserialize_block(data)
+                header, kv = deserialize_block(data, self.store.key)
                 self._check(header, request, index, digests)
             except KVBlockFormatError as exc:
                 logger.warning("KV offload: dropping block file %s: %s", name, exc)
@@ -235,22 +238,28 @@ def adapter_digest(adapter) -> bytes:
     return h.digest()
 
 
-def model_id(loaded: LoadedModel) -> str:
-    """`name:fingerprint:weight format`: the fingerprint digests the config and each weight
-    file's name, size, first and last MiB, so a copy of the same files on another machine
-    gets the same id and different weights a different one."""
+def model_id(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> str:
+    """`name:fingerprint:weight format`: the fingerprint digests each weight file's name and
+    whole-file sha256 (a byte changed anywhere, the middle included, is another model), the
+    model config (rope theta and scaling, heads, layers...), the weight dtype and format and
+    the KV cache dtype: everything that changes the K/V a prompt gets. A copy of the same
+    files on another machine gets the same id."""
+    from nanollmserve.model.gguf_cache import file_sha256
+
     source = loaded.source
     if source.gguf_path is not None:
-        files = [source.gguf_path]
+        files = [Path(source.gguf_path)]
     else:
         files = sorted(Path(source.path).glob("*.safetensors"))
         files += [Path(source.path, "config.json")]
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     for path in files:
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(_FINGERPRINT_SPAN))
-            f.seek(max(0, size - _FINGERPRINT_SPAN))
-            h.update(f.read(_FINGERPRINT_SPAN))
+        h.update(f"{path.name}:{file_sha256(path)}\n".encode())
+    settings = {
+        "model_config": dataclasses.asdict(loaded.model_config),
+        "dtype": str(loaded.dtype),
+        "quantization": loaded.quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return f"{source.name}:{h.hexdigest()}:{loaded.quantization or 'dense'}"

@@ -53,18 +53,25 @@ def _private_dir(path: Path) -> None:
     check_trusted(path)
 
 
-def check_trusted(path: Path) -> None:
+CACHE_REMEDY = (
+    "Remove it (it is rebuilt) or fix its owner and mode (chmod go-w), or point "
+    "NANOLLMSERVE_CACHE at a private directory"
+)
+
+
+def check_trusted(path: Path, what: str = "the cache path", remedy: str = CACHE_REMEDY) -> None:
     """`UntrustedCacheError` unless `path` is owned by this user (or root) and not writable by
-    group or others. Symlinks are judged by what they point to, and the link itself too."""
+    group or others. Symlinks are judged by what they point to, and the link itself too.
+    `what` names the path in the message and `remedy` says how to fix it (other private
+    directories, such as the KV block store, reuse this check)."""
     for info in (os.lstat(path), os.stat(path)):
         owner_ok = info.st_uid in (os.getuid(), 0)
         writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
         if not owner_ok or (writable_by_others and not stat.S_ISLNK(info.st_mode)):
             who = "owned by another user" if not owner_ok else "writable by group or others"
             raise UntrustedCacheError(
-                f"refusing to use the cache path {path}: it is {who}, so another user could "
-                f"have replaced what it holds. Remove it (it is rebuilt) or fix its owner and "
-                f"mode (chmod go-w), or point NANOLLMSERVE_CACHE at a private directory"
+                f"refusing to use {what} {path}: it is {who}, so another user could "
+                f"have replaced what it holds. {remedy}"
             )
 
 
