@@ -268,3 +268,33 @@ def test_another_user_cannot_make_a_server_delete_through_a_store_they_made(make
     with pytest.raises(UserError, match="owned by another user"):
         run(make_llm(kv_offload_dir=str(linked), kv_offload_max_bytes=1))
     assert sorted(p.name for p in victim.iterdir()) == ["cd" * 16 + ".kvb", "notes.txt"]
+
+
+def cluster_cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "nanollmserve.cli.main", "cluster", "--router-port", "0"]
+    command += ["--prefill-workers", "1", "--decode-workers", "1", *args]
+    try:
+        return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=90)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"cluster {' '.join(args)} did not stop at once: it started its workers")
+
+
+@pytest.mark.timeout(300)
+def test_the_cluster_launcher_checks_the_store_and_makes_its_key_before_any_worker(tmp_path):
+    open_store = tmp_path / "open"
+    open_store.mkdir()
+    open_store.chmod(0o777)
+    refused = cluster_cli("--kv-offload-dir", str(open_store))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "writable by group or others" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+    assert list(open_store.iterdir()) == []
+
+    store = tmp_path / "kv"
+    stopped = cluster_cli("--kv-offload-dir", str(store), "--no-such-flag")  # after the store
+    assert stopped.returncode == 2 and "--no-such-flag" in stopped.stderr, stopped.stderr
+    key = store / ".nanollmserve-kv-key"
+    assert key.is_file(), "the launcher made no key for its workers"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.stat().st_mode) == 0o700
