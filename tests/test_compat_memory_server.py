@@ -9,9 +9,11 @@ processes (tests/compat_stack.py: a worker with its gRPC port and a router in fr
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
-from cluster_process import tiny_model_dir
+from cluster_process import tiny_model_dir, wait_until
 from compat_stack import CompatStack
 
 pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(300)]
@@ -34,6 +36,10 @@ def empty_the_pool(stack: CompatStack) -> None:
             timeout=120,
         )  # fmt: skip
         assert answer.status_code == 200, answer.text
+    # The router may have taken the sleeping worker out of its rotation (m27): its health
+    # checks (every 0.5 s) put it back; wait past two of them, then for it to be in.
+    time.sleep(1.2)
+    wait_until(lambda: httpx.get(f"{stack.router.url}/health").status_code == 200, 30, "awake")
 
 
 @pytest.fixture(scope="module")

@@ -319,27 +319,31 @@ def test_a_sleeping_worker_under_pd(pd, compat):
             "boat of each day:", **GREEDY}  # fmt: skip
     expected = _text(pd.colocated("/v1/completions", body))
     fallbacks = pd.metric(FALLBACKS)
-    assert httpx.post(f"{pd.prefill}/sleep?level=1", headers=ADMIN, timeout=60).status_code == 200
-    try:  # phase 1 gets a 503, or no prefill worker: the decode worker prefills it itself
+
+    def admin(action: str, url: str) -> None:  # the router's admin surface (m27)
+        answer = httpx.post(
+            f"{pd.url}/admin/workers/{action}", params={"url": url, "level": "1"}, headers=ADMIN,
+            timeout=60,
+        )  # fmt: skip
+        assert answer.status_code == 200, answer.text
+
+    admin("sleep", pd.prefill)
+    try:  # no prefill worker in the rotation: the decode worker prefills it itself
         answer = pd.post("/v1/completions", body)
         assert answer.status_code == 200 and _text(answer.json()) == expected
         assert pd.metric(FALLBACKS) == fallbacks + 1
     finally:
-        assert httpx.post(f"{pd.prefill}/wake_up", headers=ADMIN, timeout=60).status_code == 200
-    assert httpx.post(f"{pd.decode}/sleep?level=1", headers=ADMIN, timeout=60).status_code == 200
+        admin("wake_up", pd.prefill)
+    admin("sleep", pd.decode)
     try:
-        # The router sees the sleep in the worker's /health and sends it nothing (m27): with
-        # no other decode worker it answers 503 itself.
-        wait_until(
-            lambda: httpx.get(f"{pd.url}/health", timeout=10).status_code == 503, 30, "asleep"
-        )
+        # The router sends a sleeping worker nothing (m27): with no other decode worker it
+        # answers 503 itself.
         asleep = pd.post("/v1/completions", {**body, "prompt": body["prompt"] + " Monday"})
         assert asleep.status_code == 503
         assert "asleep" in asleep.json()["error"]["message"]
         compat.exercised("sleep", asleep="asleep" in asleep.json()["error"]["message"])
     finally:
-        assert httpx.post(f"{pd.decode}/wake_up", headers=ADMIN, timeout=60).status_code == 200
-        wait_until(lambda: httpx.get(f"{pd.url}/health").status_code == 200, 30, "awake")
+        admin("wake_up", pd.decode)
     # The store outlives the decode worker's sleep: its pool refills from it.
     answer = pd.disaggregated("/v1/completions", body)
     assert _text(answer) == expected

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 pytestmark = pytest.mark.milestone("m18")
 
 BASE = "SmolLM2-135M-Instruct"
+ADMIN_KEY = "lora-admin-key"
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -30,7 +31,7 @@ PROMPTS = [
 def server():
     args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     args += ["--lora-modules", f"a={adapter_dir(1)}", "--allow-runtime-lora-updating"]
-    server = LiveServer.start(*args, "--num-kv-blocks", "256")
+    server = LiveServer.start(*args, "--num-kv-blocks", "256", admin_api_key=ADMIN_KEY)
     yield server
     server.stop()
 
@@ -71,7 +72,12 @@ def test_unknown_adapter_is_404(client):
 
 
 def test_load_use_and_unload_at_run_time(server, client):
-    with server.client() as http:
+    with server.client() as http:  # admin routes (m27): the API key does not load adapters
+        refused = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapter_dir(2))}
+        )
+        assert refused.status_code == 401, refused.text
+    with server.admin_client() as http:
         loaded = http.post(
             "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapter_dir(2))}
         )

@@ -5,7 +5,8 @@ anything else answers 401 in the OpenAI error shape (Anthropic's on the Messages
 The key is compared in constant time and never logged. `open_paths` widens the exceptions
 (the app adds /metrics unless `--metrics-require-auth`).
 
-The admin routes (`ADMIN_PATHS`: the sleep routes and `/debug/steps`) are the operator's, not
+The admin routes (`ADMIN_PATHS`: the sleep routes, `/debug/steps` and the run-time LoRA
+routes, which load a directory of the server's) are the operator's, not
 the clients': `AdminKeyMiddleware` serves them only with `--admin-api-key` (or
 NANOLLMSERVE_ADMIN_API_KEY) set, a 404 otherwise as if they did not exist, and checks that
 key on them in the same two headers (a 401 in the OpenAI error shape when it is missing or
@@ -28,6 +29,10 @@ ADMIN_ROUTE_FLAGS = {
     "/wake_up": "--enable-sleep-mode",
     "/is_sleeping": "--enable-sleep-mode",
     "/debug/steps": "--enable-debug-endpoints",
+    "/v1/load_lora_adapter": "--allow-runtime-lora-updating",
+    "/v1/unload_lora_adapter": "--allow-runtime-lora-updating",
+    "/load_lora_adapter": "--allow-runtime-lora-updating",
+    "/unload_lora_adapter": "--allow-runtime-lora-updating",
 }
 """Each admin route and the flag that mounts it."""
 ADMIN_PATHS = frozenset(ADMIN_ROUTE_FLAGS)

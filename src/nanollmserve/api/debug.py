@@ -1,7 +1,8 @@
 """`GET /debug/steps?since=STEP`: the engine's flight record as JSON lines (application/x-ndjson).
 
 Mounted only with `--enable-debug-endpoints` (otherwise the path is a 404 like any unknown
-one), and behind the API key like every route. The first line describes the engine (its
+one), and an admin route: served only with `--admin-api-key`, behind that key, never the API
+key (`api/auth.py`; the router never forwards it). The first line describes the engine (its
 configuration without its file system paths, the steps the ring holds), then one line per
 kept step numbered `since` or later, in the schema of docs/features/flight-recorder.md. The
 lines are built from a copy of the ring on a worker thread and streamed, so a full ring never

@@ -72,7 +72,8 @@ class ServerSettings:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     allow_runtime_lora_updating: bool = False
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter work (404 otherwise)."""
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter work (404 otherwise); admin
+    routes, behind `admin_api_key`."""
     tracer: object | None = None
     """`--otlp-traces-endpoint`: the `nanollmserve.tracing.spans.Tracer` that gives each
     generation request a span (HTTP and gRPC); None: tracing off."""

@@ -2,7 +2,8 @@
 `GET /is_sleeping` (docs/features/sleep-mode.md).
 
 They are off unless the server runs with `--enable-sleep-mode` (a 404 then; vLLM mounts them
-only in its dev mode) and, like every route but /health, need the API key when one is set.
+only in its dev mode) and are admin routes: served only with `--admin-api-key`, behind that
+key, never the API key (`api/auth.py`); the router never forwards them.
 `/sleep` answers once the engine sleeps: after the requests in flight have finished
 (`mode=wait`, the default) or after ending them (`mode=abort`); meanwhile and until
 `/wake_up`, requests get a 503 with `Retry-After`. `level` and `mode` are checked here (a 400

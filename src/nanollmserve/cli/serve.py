@@ -73,8 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
-        help="let clients load and unload LoRA adapters (POST /v1/load_lora_adapter, "
-        "/v1/unload_lora_adapter)",
+        help="let the operator load and unload LoRA adapters (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter: admin routes, behind --admin-api-key)",
     )
     group.add_argument(
         "--api-key",

@@ -1,6 +1,7 @@
 """The router's admin surface and the workers' admin routes it never forwards.
 
-A worker's admin routes (`/sleep`, `/wake_up`, `/is_sleeping`, `/debug/steps`: the operator's,
+A worker's admin routes (`/sleep`, `/wake_up`, `/is_sleeping`, `/debug/steps`, the run-time
+LoRA routes `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`: the operator's,
 behind the worker's `--admin-api-key`) answer 404 at the router, whatever key comes with
 them: a client of the cluster must not put a worker picked by the policy to sleep or read
 its flight record. The operator acts on a named worker through the router's own routes,
@@ -33,7 +34,11 @@ from nanollmserve.router.errors import error_response
 from nanollmserve.router.workers import Worker, WorkerPool, normalize_url
 
 ADMIN_PREFIX = "/admin"
-WORKER_ADMIN_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/debug/steps"})
+WORKER_ADMIN_PATHS = frozenset(
+    {"/sleep", "/wake_up", "/is_sleeping", "/debug/steps"}
+    | {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    | {"/load_lora_adapter", "/unload_lora_adapter"}
+)
 """A worker's admin routes (api/auth.py's ADMIN_PATHS): never forwarded."""
 SLEEP_LEVELS = ("1", "2")
 SLEEP_MODES = ("wait", "abort")
@@ -164,6 +169,7 @@ async def sleep_worker(request: Request) -> Response:
         answer = await _call(request, worker, "/sleep", {"level": level, "mode": mode})
     finally:
         worker.sleep_call_pending = False
+        worker.sleep_epoch += 1
     if answer.status_code != 200:
         worker.set_sleeping(was_sleeping)
         return answer
@@ -183,6 +189,7 @@ async def wake_worker(request: Request) -> Response:
             worker.set_sleeping(False)
     finally:
         worker.sleep_call_pending = False
+        worker.sleep_epoch += 1
     return answer if answer.status_code != 200 else JSONResponse(describe(worker))
 
 

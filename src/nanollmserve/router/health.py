@@ -40,6 +40,7 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> None:
         timeout = max(1.0, min(self.interval, 5.0))
+        epoch = worker.sleep_epoch
         try:
             response = await self.client.get(f"{worker.url}/health", timeout=timeout)
         except httpx.ConnectError as exc:
@@ -51,7 +52,8 @@ class HealthChecker:
             return
         if response.status_code == 200:
             worker.mark_up(_kv_role(response))
-            if not worker.sleep_call_pending:  # the admin surface's own call decides then
+            if not worker.sleep_call_pending and epoch == worker.sleep_epoch:  # else: the
+                # admin surface's call decides (this answer may predate it)
                 worker.set_sleeping(_status(response) == "sleeping")
         else:
             self._failed(worker, f"/health answered {response.status_code}")

@@ -47,6 +47,9 @@ class Worker:
     sleep_call_pending: bool = False
     """The admin surface's /sleep or /wake_up call to it is under way (health checks then
     leave `is_sleeping` alone)."""
+    sleep_epoch: int = 0
+    """Bumped by each admin sleep or wake: a health check begun before it (whose answer may
+    predate it) leaves `is_sleeping` alone."""
 
     @property
     def is_serving(self) -> bool:
