@@ -35,6 +35,8 @@ from nanollmserve.api.grpc_client import connect
 pytestmark = [pytest.mark.integration, pytest.mark.milestone("m24")]
 
 KEY = "timeline-key"
+ADMIN_KEY = "timeline-admin-key"
+"""/debug/steps is an admin route (m27): the tab's admin key field holds this."""
 MODEL = "SmolLM2-135M-Instruct"
 NUM_KV_BLOCKS = 12  # 192 tokens: six requests of ~45 + 48 tokens cannot all fit at once
 REPEATED = "one two three four five six seven eight nine ten " * 4
@@ -54,6 +56,7 @@ def server():
         "--grpc-port",
         str(grpc_port),
         api_key=KEY,
+        admin_api_key=ADMIN_KEY,
     )
     live.grpc_target = f"127.0.0.1:{grpc_port}"
     yield live
@@ -64,8 +67,9 @@ def server():
 def spec_server():
     """Speculative decoding (ngram) on; structured output is always available."""
     live = LiveServer.start(
-        "--enable-debug-endpoints", "--speculative-config", json.dumps(SPEC), api_key=KEY
-    )
+        "--enable-debug-endpoints", "--speculative-config", json.dumps(SPEC), api_key=KEY,
+        admin_api_key=ADMIN_KEY,
+    )  # fmt: skip
     yield live
     live.stop()
 
@@ -73,7 +77,7 @@ def spec_server():
 @pytest.fixture(scope="module")
 def roomy_server():
     """The default KV pool: 32 requests decode in one batch."""
-    live = LiveServer.start("--enable-debug-endpoints", api_key=KEY)
+    live = LiveServer.start("--enable-debug-endpoints", api_key=KEY, admin_api_key=ADMIN_KEY)
     yield live
     live.stop()
 
@@ -96,7 +100,7 @@ def open_page(browser, server):
     violation or a script error."""
     contexts, problems = [], []
 
-    def open_page(url: str = server.url, key: str = KEY):
+    def open_page(url: str = server.url, key: str = KEY, admin_key: str = ADMIN_KEY):
         context = browser.new_context(viewport=DESKTOP)
         contexts.append(context)
         page = context.new_page()
@@ -108,6 +112,7 @@ def open_page(browser, server):
         page.goto(f"{url}/")
         page.fill("#api-key", key)
         page.press("#api-key", "Tab")
+        page.fill("#admin-key", admin_key)  # the Timeline tab's key for /debug/steps
         return page
 
     yield open_page
@@ -142,7 +147,7 @@ def response_id(request_id: str) -> str:
 
 def num_steps(server) -> int:
     """Steps the engine has run (the record's engine line)."""
-    with server.client() as client:
+    with server.admin_client() as client:
         response = client.get("/debug/steps", params={"since": 2**63 - 1})
     return response.json()["num_steps"]
 
@@ -320,10 +325,10 @@ def test_without_debug_endpoints_the_tab_says_how_to_turn_them_on(open_page):
 
 
 def test_a_wrong_key_asks_for_the_key(open_page):
-    page = open_page(key="wrong-key")
+    page = open_page(admin_key="wrong-key")
     shown = show_timeline(page, "needs-key")
     assert "401" in shown["message"] and "API key" in shown["message"]
-    page.fill("#api-key", KEY)  # the next poll uses the new key
+    page.fill("#admin-key", ADMIN_KEY)  # the next poll uses the new key
     wait_until(lambda: model(page)["status"] == "live", 60, "the timeline to go live")
     assert page.locator("#timeline-notice").is_hidden()
 

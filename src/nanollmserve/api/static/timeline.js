@@ -5,7 +5,9 @@
 // decode, preempted, finished); underneath, a band with the KV pool's occupancy and the
 // prefix-cache hits. Hovering a step shows its record.
 //
-// Loaded after app.js, whose `$` and `authHeaders` it uses. The canvas is redrawn only when
+// /debug/steps is an admin route: it is read with the key typed in the tab's own "admin key"
+// field (the server's --admin-api-key, kept in sessionStorage like the API key), never the
+// API key. Loaded after app.js, whose `$` it uses. The canvas is redrawn only when
 // something changed, once per animation frame at most. `window.timelineModel` is a plain
 // summary of what is drawn (for the browser tests, and anyone curious in the console).
 // Like app.js, it never turns text into HTML: the record is shown with textContent.
@@ -57,9 +59,16 @@ function nextTimelinePoll(delay) {
   if (timeline.open) timeline.timer = setTimeout(pollTimeline, delay);
 }
 
+const ADMIN_KEY_STORAGE = "nanollmserve.adminKey";
+
+function adminHeaders() {
+  const key = $("admin-key").value.trim();
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
 async function fetchSteps(since) {
   const response = await fetch("/debug/steps?since=" + since, {
-    headers: authHeaders(),
+    headers: adminHeaders(),
     cache: "no-store",
   });
   if (!response.ok) return { response, lines: null };
@@ -144,11 +153,15 @@ async function setTimelineError(response) {
     setTimelineStatus(
       "off",
       "The flight recorder is not served here (GET /debug/steps answered 404: " + detail +
-        "). Start the server with --enable-debug-endpoints (and --step-record above 0), e.g. " +
-        "`nanollmserve serve --enable-debug-endpoints`, to see the timeline.",
+        "). Start the server with --enable-debug-endpoints and --admin-api-key (and " +
+        "--step-record above 0), e.g. `NANOLLMSERVE_ADMIN_API_KEY=... nanollmserve serve " +
+        "--enable-debug-endpoints`, to see the timeline.",
     );
   } else if (response.status === 401) {
-    setTimelineStatus("needs-key", "401: enter the API key at the top (" + detail + ").");
+    setTimelineStatus(
+      "needs-key",
+      "401: enter the admin API key (--admin-api-key) in the admin key field (" + detail + ").",
+    );
   } else {
     setTimelineStatus("error", "GET /debug/steps answered " + response.status + ": " + detail);
   }
@@ -480,6 +493,11 @@ function timelineCellCenter(step, requestId) {
 }
 
 function initTimeline() {
+  // Like the API key: in sessionStorage only, gone when the tab closes.
+  $("admin-key").value = sessionStorage.getItem(ADMIN_KEY_STORAGE) || "";
+  $("admin-key").addEventListener("input", () => {
+    sessionStorage.setItem(ADMIN_KEY_STORAGE, $("admin-key").value.trim());
+  });
   const canvas = $("timeline-canvas");
   canvas.addEventListener("mousemove", onTimelineHover);
   new ResizeObserver(scheduleTimelineDraw).observe(canvas);
