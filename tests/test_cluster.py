@@ -29,7 +29,7 @@ from cluster_process import (
 )
 from live_server import busy_port, free_port
 
-pytestmark = pytest.mark.milestone("m13")
+pytestmark = [pytest.mark.milestone("m13"), pytest.mark.slow]
 
 API_KEY = "cluster-key-123"
 NUM_WORKERS = 2

@@ -34,7 +34,7 @@ from lora_adapters import adapter_dir
 from prometheus_client.parser import text_string_to_metric_families
 from test_tracing_router import CLIENT, SERVER, OtlpReceiver
 
-pytestmark = [pytest.mark.milestone("m26"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.milestone("m26"), pytest.mark.timeout(300), pytest.mark.slow]
 
 PHASE_ONES = "nanollmserve_router:pd_prefill_latency_seconds_count"
 FALLBACKS = "nanollmserve_router:pd_prefill_fallbacks_total"

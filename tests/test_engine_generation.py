@@ -52,7 +52,15 @@ def test_greedy_matches_hugging_face_generate(llm):
 
 
 @pytest.mark.milestone("m05")
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+# The prefix-cache variant runs in `make test-slow`: the no-prefix-cache one recomputes every
+# token, the harder case, in `make test`.
+@pytest.mark.parametrize(
+    "prefix_caching",
+    [
+        pytest.param(False, id="no-prefix-cache"),
+        pytest.param(True, id="prefix-cache", marks=pytest.mark.slow),
+    ],
+)
 def test_batch_invariance(make_llm, prefix_caching):
     """16 prompts of mixed lengths give the same greedy tokens together as one by one. Without
     prefix caching the runs alone recompute every token instead of reusing the batch's blocks."""
@@ -130,7 +138,15 @@ def big_pool_outputs():
 
 
 @pytest.mark.milestone("m09")
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+# The prefix-cache variant runs in `make test-slow`: the no-prefix-cache one recomputes every
+# token, the harder case, in `make test`.
+@pytest.mark.parametrize(
+    "prefix_caching",
+    [
+        pytest.param(False, id="no-prefix-cache"),
+        pytest.param(True, id="prefix-cache", marks=pytest.mark.slow),
+    ],
+)
 def test_preemption_recomputes_and_keeps_outputs(make_llm, big_pool_outputs, prefix_caching):
     """A pool for 2-3 requests: 12 requests still finish, with the outputs of a big pool.
     Without prefix caching a resumed request recomputes its tokens rather than finding them."""

@@ -40,6 +40,7 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_adapter_matches_peft_merged_model(lora_llm):
     ids = [lora_llm.tokenizer.encode(p) for p in PROMPTS]
     ours = token_ids(lora_llm.generate(ids, GREEDY, use_tqdm=False, lora_request=lora("a", 1, 1)))

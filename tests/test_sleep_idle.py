@@ -16,7 +16,7 @@ import pytest
 from live_server import LiveServer
 from test_sleep_mode import MODEL, assert_sleeping_503, completion, poll, rss_bytes
 
-pytestmark = pytest.mark.milestone("m25")
+pytestmark = [pytest.mark.milestone("m25"), pytest.mark.slow]
 
 API_KEY = "sleep-idle-key"
 ADMIN_KEY = "sleep-idle-admin-key"

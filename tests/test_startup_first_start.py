@@ -60,6 +60,7 @@ def line_positions(log: str, patterns: list[str]) -> list[int]:
     return positions
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_first_start_logs_each_phase_and_a_second_start_uses_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache"

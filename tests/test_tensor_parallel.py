@@ -136,11 +136,13 @@ def bundled_three_ranks():
 
 # Three tests, not one, so that each stays well inside the per-test timeout on a loaded CPU:
 # the one-rank reference, the sharded engine's start, and the sharded answers.
+@pytest.mark.slow
 def test_bundled_reference_answers_make_sense(bundled_reference) -> None:
     assert "Paris" in bundled_reference[0].outputs[0].text
     assert [len(o.outputs[0].token_ids) for o in bundled_reference] == [32] * 4
 
 
+@pytest.mark.slow
 def test_bundled_model_ranks_hold_a_third_each(bundled_three_ranks, shared_llm) -> None:
     attention = bundled_three_ranks.engine.model_runner.attention_layers[0]
     assert (attention.num_heads, attention.num_kv_heads) == (3, 1)
@@ -151,6 +153,7 @@ def test_bundled_model_ranks_hold_a_third_each(bundled_three_ranks, shared_llm) 
     assert 0.33 <= share < 0.34  # a third, plus the replicated norms
 
 
+@pytest.mark.slow
 def test_bundled_model_three_ranks_answer_like_one(bundled_three_ranks, bundled_reference):
     conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
     got = token_ids(bundled_three_ranks.chat(conversations, GREEDY_32, use_tqdm=False))

@@ -58,9 +58,12 @@ async def admit(
         [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     )
     limits = engine.request_policy.limits
+    engine.refuse_if_full(len(prompts) * params.n)  # a full server does no work: a 503 first
     tokenized: list[TokenizedPrompt] = []
     for prompt in prompts:
         text, token_ids = await engine.tokenize(prompt)
+        if len(token_ids) >= engine.max_model_len:  # one prompt too long: the context error
+            engine.input_processor.validate(token_ids, params)
         tokenized.append(TokenizedPrompt(text, token_ids))
         lengths = [len(p.token_ids) for p in tokenized]
         limits.check_prompts(lengths, params, engine.max_model_len, prompt_logprobs_copies)

@@ -47,7 +47,7 @@ class Roles:
     def shared_store(self) -> Iterator[list[list[str]]]:
         """The serve flags each worker adds to the common ones (prefill workers first), with
         the store they share made for the time of the block (unless the user gave one)."""
-        from nanollmserve.engine.kv_block_store import open_store_dir, store_key
+        from nanollmserve.kv_store_dir import open_store_dir, store_key
 
         made = None
         if self.given_store is None:

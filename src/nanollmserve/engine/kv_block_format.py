@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from nanollmserve.engine.kv_block_store import KEY_BYTES
+from nanollmserve.kv_store_dir import KEY_BYTES
 
 MAGIC = b"NLSKVBLK"
 VERSION = 2

@@ -50,13 +50,15 @@ from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanollmserve.errors import UserError
-from nanollmserve.model.private_cache import (
-    PRIVATE_DIR_MODE,
-    PRIVATE_FILE_MODE,
-    UntrustedCacheError,
-    check_trusted,
+from nanollmserve.kv_store_dir import (  # noqa: F401 (MARKER, KEY_FILE: the store's API)
+    KEY_BYTES,
+    KEY_FILE,
+    MARKER,
+    open_store_dir,
+    store_key,
+    write_private,
 )
+from nanollmserve.model.private_cache import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 
 if TYPE_CHECKING:  # the cluster launcher opens a store without importing torch
     import torch
@@ -70,106 +72,10 @@ MAX_PENDING_BYTES = 256 << 20
 """K/V copies waiting for the writer thread, at most: past that, new blocks are dropped."""
 STALE_TEMP_SECONDS = 3600.0
 """A temporary file older than this was left by a process that died mid-write."""
-MARKER = ".nanollmserve-kv-store"
-"""Written (exclusively, 0600) into a new or empty directory the first time it is opened: a
-directory without it is not a store, and nothing in it is ever deleted."""
-KEY_FILE = ".nanollmserve-kv-key"
-KEY_BYTES = 32
-"""The store's MAC key, hex (0600, owner-only: readable by another user, it is refused)."""
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _BLOCK = re.compile(r"[0-9a-f]{2,128}\.kvb")
 _TEMP = re.compile(r"[0-9a-f]{2,128}\.[0-9]+\.[0-9a-f]{8}\.tmp")
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-_REMEDY = (
-    "Give --kv-offload-dir a directory of your own that only you can write (a new one is "
-    "made 0700), or fix its owner and mode (chmod 700)"
-)
-
-
-def open_store_dir(directory: str | Path) -> Path:
-    """Make or check a store directory -> its path. A missing one is made 0700 and marked; an
-    existing one must be owned by this user (or root) and not writable by group or others,
-    and must be marked already or empty (then it is marked); one this user owns is made
-    0700. A `UserError` says why a directory is refused."""
-    path = Path(directory)
-    what = "the KV store directory"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, PRIVATE_DIR_MODE)
-        check_trusted(path, what, _REMEDY)
-        if not path.is_dir():
-            raise UserError(f"--kv-offload-dir {path} is not a directory")
-        if path.stat().st_uid == os.getuid():
-            os.chmod(path, PRIVATE_DIR_MODE)  # ours: only we read the prompts' token ids
-        entries = os.listdir(path)
-        if MARKER not in entries:
-            if entries:
-                raise UserError(
-                    f"--kv-offload-dir {path} holds {len(entries)} entries but is not a KV "
-                    f"block store (no {MARKER} file): it is refused rather than emptied. Give "
-                    f"a new or empty directory (for example a subdirectory of this one)"
-                )
-            with contextlib.suppress(FileExistsError):  # another worker marked it first
-                _write_private(path, MARKER, b"nanollmserve KV block store\n")
-        marker = path / MARKER
-        if not stat.S_ISREG(os.lstat(marker).st_mode):
-            raise UserError(f"--kv-offload-dir {path}: {MARKER} is not a regular file")
-        check_trusted(marker, what, _REMEDY)
-    except UntrustedCacheError as exc:
-        raise UserError(f"--kv-offload-dir: {exc}") from None
-    except OSError as exc:
-        raise UserError(f"--kv-offload-dir {path}: {exc}") from None
-    return path
-
-
-def store_key(directory: str | Path) -> bytes:
-    """The MAC key of the (opened) store `directory`, made on first use: 32 random bytes in
-    `KEY_FILE`, written 0600 under a temporary name and linked into place, which fails if a
-    key is there already (then that key is used: every process of a store shares one). The
-    key file must be a regular file owned by this user (or root) that no other user can read
-    or write, else `UserError`."""
-    path = Path(directory)
-    try:
-        with contextlib.suppress(FileExistsError):
-            temp = f"{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            _write_private(path, temp, secrets.token_hex(KEY_BYTES).encode() + b"\n")
-            try:
-                os.link(path / temp, path / KEY_FILE, follow_symlinks=False)
-            finally:
-                os.unlink(path / temp)
-        fd = os.open(path / KEY_FILE, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            text = f.read(4 * KEY_BYTES)
-    except OSError as exc:
-        raise UserError(f"--kv-offload-dir {path}: cannot read its key {KEY_FILE}: {exc}") from None
-    if (
-        not stat.S_ISREG(info.st_mode)
-        or info.st_uid not in (os.getuid(), 0)
-        or info.st_mode & 0o077
-    ):
-        raise UserError(
-            f"--kv-offload-dir {path}: refusing its key {KEY_FILE}: it is not a regular file "
-            f"that only this user can read and write (0600). Delete it (a new key is made; "
-            f"the blocks already there are then recomputed)"
-        )
-    try:
-        key = bytes.fromhex(text.decode().strip())
-    except ValueError:
-        key = b""
-    if len(key) < KEY_BYTES:
-        raise UserError(f"--kv-offload-dir {path}: its key {KEY_FILE} is not {KEY_BYTES} hex bytes")
-    return key
-
-
-def _write_private(directory: Path, name: str, data: bytes) -> None:
-    """Create `directory/name` exclusively (FileExistsError if it exists), 0600, with `data`."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    fd = os.open(directory / name, flags, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), PRIVATE_FILE_MODE)
-        f.write(data)
 
 
 class KVBlockStore:

@@ -454,6 +454,12 @@ class AsyncEngine:
     def _capacity(self) -> int:
         return self.max_num_seqs + self.max_queue_len
 
+    def refuse_if_full(self, num_seqs: int) -> None:
+        """EngineOverloadedError if `num_seqs` more sequences would pass the capacity: a
+        check before a request's own work (tokenizing its prompts), not a reservation."""
+        with self._admission_lock:
+            self._check_capacity(num_seqs)
+
     def _check_capacity(self, num_seqs: int) -> None:
         """EngineOverloadedError if `num_seqs` more would pass the capacity, counting the
         requests still being tokenized or compiled (call with `_admission_lock` held or
