@@ -112,7 +112,10 @@ def open_page(browser, server):
         page.goto(f"{url}/")
         page.fill("#api-key", key)
         page.press("#api-key", "Tab")
-        page.fill("#admin-key", admin_key)  # the Timeline tab's key for /debug/steps
+        # The Timeline tab's key for /debug/steps: its field shows on that tab, as for a user.
+        page.click("#tab-timeline")
+        page.fill("#admin-key", admin_key)
+        page.click("#tab-chat")
         return page
 
     yield open_page
