@@ -14,8 +14,8 @@ from lora_adapters import adapter_dir
 from nanollmserve import LoRARequest, SamplingParams
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.kv_block_format import deserialize_block
-from nanollmserve.engine.kv_block_store import store_key
 from nanollmserve.errors import UserError
+from nanollmserve.kv_store_dir import store_key
 
 pytestmark = pytest.mark.milestone("m25")
 

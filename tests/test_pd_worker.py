@@ -24,7 +24,7 @@ import torch
 from live_server import LiveServer, shared_server
 
 from nanollmserve.engine.kv_block_format import deserialize_block
-from nanollmserve.engine.kv_block_store import store_key
+from nanollmserve.kv_store_dir import store_key
 
 pytestmark = pytest.mark.milestone("m26")
 
