@@ -77,6 +77,11 @@ def _race(client, server, low_prompts, high_prompt):
         stats = server.stats()
         if stats["num_requests_running"] and stats["num_requests_waiting"]:
             break
+        if not any(thread.is_alive() for thread in threads):
+            # The streams all ended before a /stats answer caught them contending (a
+            # loaded machine can take longer to answer /stats than the tiny model takes
+            # to finish them): this race proves nothing either way.
+            return None
         assert time.monotonic() < deadline, stats
         time.sleep(0.01)
     high = _completion(client, high_prompt, 8, -1)
@@ -94,10 +99,17 @@ def test_high_priority_request_preempts_a_full_pool_and_finishes_first(server):
     # tokens from its end and finish first; on a loaded machine the request can take that
     # long to arrive. So the race is run up to three times: under first-come-first-served
     # the high request waits for 4 x LOW_TOKENS tokens and never wins one.
-    for _ in range(3):
-        finished, texts, high = _race(client, server, low_prompts, high_prompt)
-        if min(finished, key=finished.get) == "high":
+    # A race whose low streams all end before /stats shows them contending is not counted.
+    conclusive = 0
+    for _ in range(8):
+        race = _race(client, server, low_prompts, high_prompt)
+        if race is None:
+            continue
+        finished, texts, high = race
+        conclusive += 1
+        if min(finished, key=finished.get) == "high" or conclusive == 3:
             break
+    assert conclusive, "no race caught the pool contended"
     assert server.stats()["num_preemptions"] > 0  # the pool was contended
     assert min(finished, key=finished.get) == "high", finished
     # greedy outputs equal those of runs with nothing else going on
