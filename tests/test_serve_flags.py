@@ -261,15 +261,20 @@ def test_aliases_are_left_out_of_the_schema():
 def test_https_with_the_openai_sdk(tls_server, tls_files):
     import openai
 
-    http_client = httpx.Client(verify=str(tls_files["cert"]))
-    client = openai.OpenAI(
-        base_url=f"{tls_server.url}/v1", api_key=API_KEY, http_client=http_client, max_retries=0
-    )
-    assert tls_server.url.startswith("https://")
-    assert [m.id for m in client.models.list().data] == ["env-model"]  # from the environment
-    completion = client.chat.completions.create(
-        model="env-model", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
-    )
+    # Closed at the end: an idle TLS connection left open holds the server's shutdown for
+    # asyncio's 30 s SSL shutdown timeout (the fixture's teardown took 30.7 s).
+    with httpx.Client(verify=str(tls_files["cert"])) as http_client:
+        client = openai.OpenAI(
+            base_url=f"{tls_server.url}/v1",
+            api_key=API_KEY,
+            http_client=http_client,
+            max_retries=0,
+        )
+        assert tls_server.url.startswith("https://")
+        assert [m.id for m in client.models.list().data] == ["env-model"]  # from the env
+        completion = client.chat.completions.create(
+            model="env-model", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        )
     assert completion.usage.completion_tokens >= 1
     with pytest.raises(httpx.ConnectError):  # the certificate is not in the default store
         httpx.get(f"{tls_server.url}/health", timeout=10)
