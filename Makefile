@@ -1,14 +1,19 @@
 # Every target sets itself up first (scripts/setup is a no-op when nothing changed).
 # make test M=m05   runs only the tests of one milestone.
+# make setup-cuda   installs the CUDA build of torch (scripts/setup picks it by itself where
+#                   `nvidia-smi` lists a GPU; the CPU-only build everywhere else).
 
 M ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup check test test-slow test-integration docs docs-serve serve reference
+.PHONY: setup setup-cuda check test test-slow test-integration docs docs-serve serve reference
 
 setup:
 	scripts/setup
+
+setup-cuda:
+	NANOLLMSERVE_TORCH=cuda scripts/setup
 
 check:
 	scripts/check
@@ -39,5 +44,7 @@ docs: setup
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
-serve: setup
+# Serving needs only the runtime dependencies (no dev or cluster extras).
+serve:
+	scripts/setup --runtime
 	.venv/bin/nanollmserve serve --host $(HOST) --port $(PORT)
