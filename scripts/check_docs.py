@@ -2,7 +2,10 @@
 and that the docs stay true: no "planned"/"pending"/"not built yet" wording about a milestone
 that is done, a history entry for every commit since the marker in histories/checked-since
 (or a line in histories/trivial-commits.txt), and provenance in every benchmark JSON under
-docs/ (bench/provenance.py) but the older ones listed in docs/assets/bench/without-provenance.txt.
+docs/ (bench/provenance.py) but the older ones listed in docs/assets/bench/without-provenance.txt,
+no checked milestone box whose own text says it "no longer" holds or is "not met", and no
+feature page saying two features do not run together where the compatibility matrix
+(scripts/compat_matrix.py) says they work.
 
 Run by `make check` (scripts/check) and by tests/test_harness.py, tests/test_docs_checks.py.
 Standard library only (and `git`, when the repository's history is there: without it, or in
@@ -420,14 +423,140 @@ def check_compat_matrix(errors: list[str]) -> None:
     test functions exist, docs/features/compatibility.md is current. Static and fast: running
     the named tests and checking that each shows both features is `compat_matrix.py
     --collect` (its own CI step), not part of `make check`."""
+    module = _compat_module()
+    if module is not None:
+        errors.extend(f"compat_matrix: {problem}" for problem in module.check(ROOT))
+
+
+def _compat_module():
+    """scripts/compat_matrix.py of the checked repository, loaded (None where it is absent)."""
     script = ROOT / "scripts" / "compat_matrix.py"
     if not script.is_file():
-        return
+        return None
     spec = importlib.util.spec_from_file_location("compat_matrix", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    errors.extend(f"compat_matrix: {problem}" for problem in module.check(ROOT))
+    return module
+
+
+REFUSAL_RE = re.compile(r"cannot be used with|not supported|\bnot (?:yet )?with\b", re.I)
+"""Wording that says two features do not run together."""
+FEATURE_WORDS = {
+    "tp": r"tensor.parallel",
+    "gguf": r"gguf|--quantization`?(?! ?(?:int8|fp16))",
+    "int8": r"--quantization int8|--quantization`?(?! ?(?:gguf|fp16|int8))",
+    "lora": r"\blora\b",
+    "spec": r"speculative decoding|speculation|draft model",
+    "structured": r"structured output|json schema",
+    "grpc": r"\bgrpc\b",
+    "router": r"\brouter\b",
+    "reasoning": r"reasoning parser|--reasoning-parser",
+    "embed": r"\bembeddings?\b|--runner pooling",
+    "messages": r"messages api",
+    "priority": r"priority scheduling|--scheduling-policy",
+    "recorder": r"flight record|--step-record",
+    "tracing": r"opentelemetry|--otlp",
+    "kvdtype": r"kv.cache.dtype|quantized kv cache",
+    "sleep": r"\bsleep",
+    "offload": r"kv.offload",
+    "pd": r"disaggregation|--kv-role",
+    "cuda": r"\bcuda\b",
+}
+"""How a sentence names each feature of the compatibility matrix (a bare `--quantization`
+names every weight format)."""
+FEATURE_PAGES = {
+    "docs/features/lora.md": ("lora",),
+    "docs/features/quantization.md": ("gguf", "int8"),
+    "docs/features/speculative-decoding.md": ("spec",),
+    "docs/features/structured-outputs.md": ("structured",),
+    "docs/features/distributed.md": ("tp", "router"),
+    "docs/features/kv-cache-dtype.md": ("kvdtype",),
+    "docs/features/kv-offload.md": ("offload",),
+    "docs/features/pd-disaggregation.md": ("pd",),
+    "docs/features/sleep-mode.md": ("sleep",),
+    "docs/features/embeddings.md": ("embed",),
+    "docs/features/reasoning.md": ("reasoning",),
+    "docs/features/anthropic-messages.md": ("messages",),
+    "docs/features/priority-scheduling.md": ("priority",),
+    "docs/features/flight-recorder.md": ("recorder",),
+    "docs/features/gpu.md": ("cuda",),
+}
+"""Feature pages and the matrix features each is about."""
+
+
+def refusal_wording(text: str, page_features: tuple[str, ...], cells: dict) -> list:
+    """(line, message) for each sentence of a feature page that says its feature does not run
+    with another one ("not with", "not supported", "cannot be used with") where the
+    compatibility matrix says the pair works. The page's features the sentence names are its
+    subject (all of the page's when it names none); the other features are those named in the
+    clause (between semicolons) that holds the refusal. A sentence that also says what works
+    ("level 1 works") is left alone."""
+
+    def named(text: str) -> set[str]:
+        return {key for key, words in FEATURE_WORDS.items() if re.search(words, text.lower())}
+
+    found = []
+    for number, sentence in _prose_units(text):
+        if not REFUSAL_RE.search(sentence) or re.search(r"\bworks?\b", sentence):
+            continue
+        subject = (named(sentence) & set(page_features)) or set(page_features)
+        others = set()
+        for clause in sentence.split(";"):
+            if REFUSAL_RE.search(clause):
+                others |= named(clause) - subject
+        for a in sorted(subject):
+            for b in sorted(others):
+                cell = cells.get((a, b)) or cells.get((b, a))
+                if cell is not None and cell.state == "works":
+                    found.append(
+                        (
+                            number,
+                            f"says {a} and {b} do not run together; the compatibility "
+                            f"matrix says they work: {sentence[:100]!r}",
+                        )
+                    )
+    return found
+
+
+def check_refusal_wording(errors: list[str]) -> None:
+    module = _compat_module()
+    if module is None:
+        return
+    for page, features in FEATURE_PAGES.items():
+        path = ROOT / page
+        if path.is_file():
+            for number, message in refusal_wording(path.read_text(), features, module.CELLS):
+                errors.append(f"{page}:{number}: {message}")
+
+
+CHECKED_BOX_RE = re.compile(r"^- \[[xX]\] ")
+RETRACTED_RE = re.compile(r"\b(no longer|not met)\b", re.I)
+
+
+def retracted_boxes(text: str) -> list[tuple[int, str]]:
+    """(line, message) for each checked box (`- [x]`, with its indented continuation lines)
+    whose own text says it "no longer" holds or is "not met": such a box must be open."""
+    found = []
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        if not CHECKED_BOX_RE.match(line):
+            continue
+        box = [line]
+        for more in lines[number:]:
+            if not more.startswith("  ") or not more.strip():
+                break
+            box.append(more.strip())
+        said = RETRACTED_RE.search(" ".join(box))
+        if said:
+            found.append((number, f"a checked box says {said.group(0)!r}: open it, or fix it"))
+    return found
+
+
+def check_retracted_boxes(errors: list[str], milestones: dict[str, tuple[Path, str]]) -> None:
+    for path, _status in milestones.values():
+        for number, message in retracted_boxes(path.read_text()):
+            errors.append(f"{rel(path)}:{number}: {message}")
 
 
 def main(argv: list[str]) -> int:
@@ -446,6 +575,8 @@ def main(argv: list[str]) -> int:
     check_commit_histories(errors)
     check_bench_provenance(errors)
     check_compat_matrix(errors)
+    check_refusal_wording(errors)
+    check_retracted_boxes(errors, milestones)
     for error in errors:
         print(f"check_docs: {error}")
     if errors:

@@ -188,7 +188,7 @@ def metrics_page(app) -> str:
         "What `GET /metrics` exports (every series has the label `model_name`). A histogram",
         "is exposed as its `_bucket`, `_sum` and `_count` series. The speculative decoding",
         "counters appear once the engine speculates. How to scrape them and the dashboards",
-        "are in [Observability](../observability.md).",
+        "are in [Observability](../features/observability.md).",
         "",
         "| metric | type | what it counts |",
         "| --- | --- | --- |",

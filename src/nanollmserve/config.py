@@ -52,10 +52,12 @@ class EngineConfig:
     """Fraction of the GPU's total memory this engine may use (0 < F <= 1); the KV cache gets
     what is left after the weights. CUDA only (on CPU, --kv-cache-memory sizes the cache)."""
     kv_cache_dtype: str = "auto"
-    """auto (the model's dtype) | int8 | fp8_e4m3 | fp8_e5m2 (fp8 = fp8_e4m3): K and V stored
-    as 8-bit codes with a float32 scale per token and KV head, about 3.8x the tokens of a
-    float32 cache in the same memory (int8 runs the native decode step; fp8 the PyTorch
-    attention). Each tensor-parallel rank quantizes its own KV heads; not with --kv-offload-dir."""
+    """auto (float16 under a GGUF file's blocks, the CPU default; else the model's dtype) |
+    float32 | float16 (a float cache of that type) | int8 | fp8_e4m3 | fp8_e5m2 (fp8 =
+    fp8_e4m3): K and V stored as 8-bit codes with a float32 scale per token and KV head, about
+    1.9x the tokens of a float16 cache in the same memory (int8 runs the native decode step; fp8
+    the PyTorch attention). Each tensor-parallel rank quantizes its own KV heads; the 8-bit
+    types not with --kv-offload-dir."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
     kv_offload_dir: str | None = None
