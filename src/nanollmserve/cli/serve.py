@@ -111,12 +111,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "seconds without requests; the next request wakes the server and is served "
         "(llama-server's flag; default: off)",
     )
-    group.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="Jinja chat template (default: the model's own; for the bundled model, its "
+        "template with tools, examples/tool_chat_template_smollm2.jinja)",
+    )
     group.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs '
-        "--tool-call-parser (default: off, auto is a 400)",
+        "--tool-call-parser (default: off, auto is a 400; on with hermes for the bundled "
+        "model without --chat-template)",
     )
     group.add_argument(
         "--tool-call-parser",
@@ -281,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _start_native_build(args)
     from nanollmserve.frontend.async_engine import DEFAULT_MAX_QUEUE_LEN
-    from nanollmserve.frontend.tokenizer import load_chat_template
+    from nanollmserve.frontend.tokenizer import BUNDLED_TOOL_CALL_PARSER, load_chat_template
 
     max_queue_len = DEFAULT_MAX_QUEUE_LEN if args.max_queue_len is None else args.max_queue_len
     if max_queue_len < 0:
@@ -328,7 +335,11 @@ def run(args: argparse.Namespace) -> int:
         from nanollmserve.generation_config import load_generation_defaults
 
         load_generation_defaults(args.generation_config)  # a bad PATH fails here
-    chat_template = load_chat_template(args.chat_template)
+    bundled = not config.model and not config.tokenizer
+    chat_template = load_chat_template(args.chat_template, bundled_model=bundled)
+    if bundled and args.chat_template is None and args.tool_call_parser is None:
+        # the bundled model's default template asks for tool calls the hermes parser reads
+        args.enable_auto_tool_choice, args.tool_call_parser = True, BUNDLED_TOOL_CALL_PARSER
     sock = _bind(args.host, args.port)
     try:
         return asyncio.run(_serve(args, config, chat_template, max_queue_len, sock, start))

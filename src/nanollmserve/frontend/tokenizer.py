@@ -28,10 +28,18 @@ def load_tokenizer(model_dir: str | Path):
     return tokenizer
 
 
-def load_chat_template(path: str | None) -> str | None:
-    """Read a `--chat-template FILE` override (a Jinja template)."""
+BUNDLED_TOOL_CHAT_TEMPLATE = Path(__file__).with_name("smollm2_tool_chat_template.jinja")
+"""The bundled model's default chat template: its GGUF's own template renders no tools; this one
+renders every chat without tools the same and writes tools in SmolLM2's trained format."""
+BUNDLED_TOOL_CALL_PARSER = "hermes"
+"""The parser that reads the calls the bundled model writes under that template."""
+
+
+def load_chat_template(path: str | None, *, bundled_model: bool = False) -> str | None:
+    """Read a `--chat-template FILE` override (a Jinja template). Without one: the bundled
+    model's tool template when serving the bundled model, else None (the model's own)."""
     if path is None:
-        return None
+        return BUNDLED_TOOL_CHAT_TEMPLATE.read_text() if bundled_model else None
     try:
         return Path(path).read_text()
     except OSError as exc:
