@@ -55,8 +55,8 @@ def kernel(rows: list[int], repeats: int) -> dict:
 
     import torch
 
-    from nanollmserve.model.gguf_blocks import BLOCK_SIZE, KIND_Q4, TILE_BLOCK_BYTES, TILE_OUTPUTS
     from nanollmserve.native import build, ops
+    from nanollmserve.native.abi import BLOCK_SIZE, KIND_Q4, TILE_BLOCK_BYTES, TILE_OUTPUTS
 
     torch.set_num_threads(1)
     out_features, in_features = 3072, 576

@@ -17,8 +17,8 @@ from test_model_loading import write_tiny_gguf
 
 from nanollmserve.model import ModelConfig, load_model, resolve_model
 from nanollmserve.model.gguf_cache import gguf_cache_key
-from nanollmserve.model.private_cache import UntrustedCacheError
 from nanollmserve.native.build import cpu_supports_kernels
+from nanollmserve.private_cache import UntrustedCacheError
 
 pytestmark = [pytest.mark.milestone("m21"), pytest.mark.timeout(300)]
 
@@ -61,7 +61,8 @@ def run_python(code: str, cache: Path, umask: int = 0o022, **env: str) -> str:
 def test_a_fresh_cache_is_private_even_with_a_loose_umask(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code = (
-        "from nanollmserve.native.build import library_path, load_kernels, isa_level\n"
+        "from nanollmserve.native.build import library_path, isa_level\n"
+        "from nanollmserve.native.ops import load_kernels\n"
         "assert load_kernels() is not None\n"
         "print(library_path(isa_level()))\n"
     )
@@ -96,7 +97,7 @@ def plant_library(tmp_path: Path) -> tuple[Path, Callable[[str], None]]:
     run_python(f"import ctypes; ctypes.CDLL({str(library)!r})", cache, PLANTED_MARKER=str(control))
     assert control.exists(), "the planted library leaves no marker when it is loaded"
     probe = (
-        "from nanollmserve.native.build import kernels_unavailable_reason, load_kernels\n"
+        "from nanollmserve.native.ops import kernels_unavailable_reason, load_kernels\n"
         "assert load_kernels() is None\n"
         "print(kernels_unavailable_reason())\n"
     )

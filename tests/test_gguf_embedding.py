@@ -11,7 +11,7 @@ import torch
 
 from nanollmserve import SamplingParams
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
-from nanollmserve.model.gguf_blocks import KIND_Q8
+from nanollmserve.native.abi import KIND_Q8
 
 pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(600)]
 

@@ -11,9 +11,10 @@ from torch import nn
 from nanollmserve import SamplingParams
 from nanollmserve.errors import UserError
 from nanollmserve.layers.gguf_linear import GGUFLinear
-from nanollmserve.model.gguf_blocks import KIND_Q4, KIND_Q8, BlockRows, read_gguf_blocks
+from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
 from nanollmserve.model.gguf_cache import cache_root
 from nanollmserve.model.source import bundled_gguf_path
+from nanollmserve.native.abi import KIND_Q4, KIND_Q8
 
 pytestmark = pytest.mark.milestone("m17")
 

@@ -31,6 +31,17 @@ FORBIDDEN = {
     "tracing": ["api", "frontend", "engine", "model", "layers", "metrics", "cli", "bench", "llm"],
 }
 
+# The native kernels are the bottom of the house: `native/` imports no other project module
+# but the private cache its build uses (and the errors that raises). Computed, so a package
+# added later is covered too.
+NATIVE_MAY_IMPORT = ("native", "private_cache", "errors")
+FORBIDDEN["native"] = sorted(
+    path.stem
+    for path in PACKAGE_DIR.iterdir()
+    if (path.suffix == ".py" or (path / "__init__.py").is_file())
+    and path.stem not in ("__init__", *NATIVE_MAY_IMPORT)
+)
+
 
 def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root.parent).with_suffix("").parts)

@@ -25,9 +25,10 @@ from nanollmserve.engine.native_decode import NativeDecodeStep, StepSpan
 from nanollmserve.errors import UserError
 from nanollmserve.layers.attention_context import AttentionContext, PrefillSpan, set_context
 from nanollmserve.layers.gguf_linear import GGUFLinear
-from nanollmserve.model.gguf_blocks import KIND_Q8, BlockRows
+from nanollmserve.model.gguf_blocks import BlockRows
 from nanollmserve.model.native_decoder import NotNativeError
 from nanollmserve.model.source import resolve_model
+from nanollmserve.native.abi import KIND_Q8
 
 pytestmark = [pytest.mark.milestone("m17"), pytest.mark.timeout(600)]
 
@@ -377,9 +378,9 @@ def test_a_model_the_native_layer_cannot_run_is_refused_with_the_reason(tmp_path
 def test_without_the_native_kernels_gguf_is_a_clear_error_and_the_default_dequantizes(
     make_llm, monkeypatch
 ):
-    from nanollmserve.native import build
+    from nanollmserve.native import ops
 
-    monkeypatch.setattr(build, "kernels_unavailable_reason", lambda: "no C compiler (test)")
+    monkeypatch.setattr(ops, "kernels_unavailable_reason", lambda: "no C compiler (test)")
     with pytest.raises(UserError, match="needs the native kernels: no C compiler"):
         make_llm(quantization="gguf")
     fallback = make_llm(dtype="auto")
@@ -389,7 +390,7 @@ def test_without_the_native_kernels_gguf_is_a_clear_error_and_the_default_dequan
 
 def test_a_missing_compiler_is_reported_not_raised(tmp_path):
     code = (
-        "from nanollmserve.native.build import kernels_unavailable_reason, load_kernels\n"
+        "from nanollmserve.native.ops import kernels_unavailable_reason, load_kernels\n"
         "assert load_kernels() is None\n"
         "print(kernels_unavailable_reason())\n"
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanollmserve.native import ops
+from nanollmserve.native import abi, ops
 
 pytestmark = pytest.mark.milestone("m22")
 
@@ -32,20 +32,16 @@ def no_native_code(monkeypatch):
 
 @pytest.fixture
 def kernels():
-    from nanollmserve.native.build import kernels_unavailable_reason
-
-    if kernels_unavailable_reason():
-        pytest.skip(kernels_unavailable_reason())
+    if ops.kernels_unavailable_reason():
+        pytest.skip(ops.kernels_unavailable_reason())
 
 
 @pytest.fixture
 def reload_kernels(monkeypatch, kernels):
     """Loads the library afresh in the test (after its monkeypatches) and again after it."""
-    from nanollmserve.native import build
-
-    build._load.cache_clear()
-    yield build
-    build._load.cache_clear()
+    ops._load.cache_clear()
+    yield ops
+    ops._load.cache_clear()
 
 
 def q4_tiles(out: int, cols: int) -> torch.Tensor:
@@ -160,10 +156,10 @@ def test_paged_decode_attention_refuses_bad_inputs_before_native_code(
 
 
 def test_paged_decode_attention_refuses_a_head_size_past_the_limit(no_native_code):
-    big = ops.MAX_HEAD_DIM + 8
+    big = abi.MAX_HEAD_DIM + 8
     q = torch.randn(1, 2, big)
     cache = torch.randn(2, BLOCK, 1, big)
-    with pytest.raises(ValueError, match=f"up to {ops.MAX_HEAD_DIM}"):
+    with pytest.raises(ValueError, match=f"up to {abi.MAX_HEAD_DIM}"):
         ops.paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long),
                                    torch.ones(1, dtype=torch.long), 1.0)  # fmt: skip
 
@@ -194,10 +190,8 @@ def test_filtered_draw_refuses_bad_inputs_before_native_code(index, change, no_n
 
 
 def native_model(**fields):
-    from nanollmserve.engine.native_decode import _Model
-
     values = dict(hidden=8, vocab=10, max_context=32, block_size=16, num_blocks=4) | fields
-    model = _Model()
+    model = abi.NlsModel()
     for name, value in values.items():
         setattr(model, name, value)
     return model
@@ -326,19 +320,17 @@ def test_the_c_statuses_are_exceptions_that_say_what_was_out_of_range(kernels):
 
 
 def test_the_library_matches_the_python_side(kernels):
-    from nanollmserve.native.build import load_kernels
-
-    abi = ops.library_abi(load_kernels())
-    assert abi["sizeof(nls_model)"] > 0 and abi["MAX_HEAD_DIM"] == ops.MAX_HEAD_DIM
-    assert ops.abi_differences(abi, ops.expected_abi()) == []
+    values = abi.library_abi(ops.load_kernels())
+    assert values["sizeof(nls_model)"] > 0 and values["MAX_HEAD_DIM"] == abi.MAX_HEAD_DIM
+    assert abi.abi_differences(values, abi.expected_abi()) == []
 
 
 @pytest.mark.parametrize(
     "module, name, value, named",
     [
-        ("nanollmserve.model.gguf_blocks", "TILE_OUTPUTS", 32, "TILE: library 16, Python 32"),
-        ("nanollmserve.native.ops", "NLS_BAD_SHAPE", -7, "NLS_BAD_SHAPE"),
-        ("nanollmserve.native.ops", "MAX_HEAD_DIM", 512, "MAX_HEAD_DIM"),
+        ("nanollmserve.native.abi", "TILE_OUTPUTS", 32, "TILE: library 16, Python 32"),
+        ("nanollmserve.native.abi", "NLS_BAD_SHAPE", -7, "NLS_BAD_SHAPE"),
+        ("nanollmserve.native.abi", "MAX_HEAD_DIM", 512, "MAX_HEAD_DIM"),
     ],
 )
 def test_a_library_whose_constants_differ_is_refused(
@@ -352,12 +344,10 @@ def test_a_library_whose_constants_differ_is_refused(
 
 
 def test_a_struct_layout_that_differs_is_refused(monkeypatch, reload_kernels):
-    from nanollmserve.engine import native_decode
-
     class ShortModel(ctypes.Structure):
-        _fields_ = native_decode._Model._fields_[:-1]
+        _fields_ = abi.NlsModel._fields_[:-1]
 
-    monkeypatch.setattr(native_decode, "_Model", ShortModel)
+    monkeypatch.setattr(abi, "NlsModel", ShortModel)
     assert reload_kernels.load_kernels() is None
     reason = reload_kernels.kernels_unavailable_reason()
     assert "sizeof(nls_model)" in reason and "nls_model.layers" in reason

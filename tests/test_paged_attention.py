@@ -56,7 +56,7 @@ def test_decode_batch_reads_scattered_blocks_like_dense_attention(path, monkeypa
     if path == "sdpa":
         monkeypatch.setattr(attention_module, "_native_kernels", lambda *args: None)
     else:
-        from nanollmserve.native.build import kernels_unavailable_reason
+        from nanollmserve.native.ops import kernels_unavailable_reason
 
         if kernels_unavailable_reason():
             pytest.skip(kernels_unavailable_reason())

@@ -187,13 +187,12 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
 
     from nanollmserve.engine.native_decode import StepSpan
     from nanollmserve.native import ops
-    from nanollmserve.native.build import kernels_unavailable_reason, load_kernels
 
-    if kernels_unavailable_reason():
-        pytest.skip(kernels_unavailable_reason())
+    if ops.kernels_unavailable_reason():
+        pytest.skip(ops.kernels_unavailable_reason())
     llm = make_llm(quantization="gguf", block_size=16, num_kv_blocks=64)
     step = llm.engine.model_runner.native_decode
-    vocab, library, model = step.vocab_size, load_kernels(), ctypes.byref(step._struct)
+    vocab, library, model = step.vocab_size, ops.load_kernels(), ctypes.byref(step._struct)
     for tokens, position, blocks, what in [
         ([vocab], 0, [0], "vocabulary"),
         ([1, -1], 0, [0], "vocabulary"),

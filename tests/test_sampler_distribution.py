@@ -138,7 +138,7 @@ def test_draws_follow_the_reference_distribution(monkeypatch, path):
 def test_the_native_draw_is_the_pytorch_draw_token_for_token(monkeypatch):
     """On vocabulary-sized rows from peaked to flat, every filter combination draws the same
     token natively as through the PyTorch candidate path, for the same uniforms."""
-    from nanollmserve.native.build import kernels_unavailable_reason
+    from nanollmserve.native.ops import kernels_unavailable_reason
 
     if kernels_unavailable_reason():
         pytest.skip(kernels_unavailable_reason())

@@ -19,7 +19,7 @@ from nanollmserve import LLM, LoRARequest, SamplingParams
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.native_decode import NativeDecodeStep
 from nanollmserve.errors import UserError
-from nanollmserve.native.build import kernels_unavailable_reason
+from nanollmserve.native.ops import kernels_unavailable_reason
 from nanollmserve.structured_outputs import StructuredOutputsParams
 
 pytestmark = pytest.mark.milestone("m25")

@@ -15,7 +15,8 @@ from live_server import LiveServer
 from test_model_loading import write_tiny_gguf
 
 from nanollmserve.model import ModelConfig, load_model, resolve_model
-from nanollmserve.model.gguf_blocks import KIND_Q4, KIND_Q8, read_gguf_blocks
+from nanollmserve.model.gguf_blocks import read_gguf_blocks
+from nanollmserve.native.abi import KIND_Q4, KIND_Q8
 
 pytestmark = pytest.mark.milestone("m22")
 

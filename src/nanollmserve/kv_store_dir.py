@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from nanollmserve.errors import UserError
-from nanollmserve.model.private_cache import (
+from nanollmserve.private_cache import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
     UntrustedCacheError,

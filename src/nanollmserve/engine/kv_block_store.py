@@ -21,7 +21,7 @@ meanwhile. Each process bounds by `max_bytes` the files it wrote or adopted, so 
 keep at most the sum of their bounds on disk.
 
 The directory is private and marked as ours (`kv_store_dir.open_store_dir`, the rules of the native
-library cache, `model/private_cache.py`): it is made 0700, its shard directories 0700 and its
+library cache, `nanollmserve/private_cache.py`): it is made 0700, its shard directories 0700 and its
 files 0600; a directory or file owned by another user (root aside) or writable by group or
 others is refused with a `UserError` that says why. A new or empty directory gets a marker
 file (`MARKER`) when it is first opened, and a non-empty directory without one is refused,
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nanollmserve.kv_store_dir import open_store_dir, store_key
-from nanollmserve.model.private_cache import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+from nanollmserve.private_cache import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 
 if TYPE_CHECKING:  # the cluster launcher opens a store without importing torch
     import torch

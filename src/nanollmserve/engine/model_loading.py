@@ -144,7 +144,7 @@ def native_kernels_run(asked: str | None) -> bool:
     """Whether the native kernels load here (waiting for a build still running in the
     background) -> False, with a warning, when they cannot and `--quantization gguf` was not
     `asked` for (the dequantized weights run instead; asked for, that is a UserError)."""
-    from nanollmserve.native.build import kernels_unavailable_reason
+    from nanollmserve.native.ops import kernels_unavailable_reason
 
     reason = kernels_unavailable_reason()
     if reason is None:

@@ -35,59 +35,20 @@ import torch
 from torch import nn
 
 from nanollmserve.model.native_decoder import NativeDecoder, NotNativeError
-from nanollmserve.native.ops import KV_DTYPE_CODES, decode_step
+from nanollmserve.native import ops
+from nanollmserve.native.abi import NlsLayer, NlsModel
+from nanollmserve.native.ops import KV_DTYPE_CODES, decode_step, decode_step_limits
 
 logger = logging.getLogger(__name__)
-
-_MAX_HEAD_DIM = 256
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("qkv_kind", ctypes.c_int32),
-        ("o_kind", ctypes.c_int32),
-        ("gate_up_kind", ctypes.c_int32),
-        ("down_kind", ctypes.c_int32),
-        *((name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")),
-        *((name, ctypes.c_void_p) for name in ("qkv_bias", "o_bias", "input_norm", "post_norm")),
-        *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "k_cache", "v_cache")),
-        *((name, ctypes.c_void_p) for name in ("k_scale", "v_scale")),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        *(
-            (name, ctypes.c_int32)
-            for name in (
-                "hidden",
-                "intermediate",
-                "num_heads",
-                "num_kv_heads",
-                "head_dim",
-                "num_layers",
-                "vocab",
-                "block_size",
-                "lm_head_kind",
-                "max_context",
-                "num_blocks",
-                "kv_dtype",
-                "embed_kind",
-            )
-        ),  # fmt: skip
-        ("eps", ctypes.c_float),
-        ("attn_scale", ctypes.c_float),
-        *((name, ctypes.c_void_p) for name in ("embed", "final_norm", "rope", "lm_head", "layers")),
-    ]
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _layer_struct(layer) -> _Layer:
+def _layer_struct(layer) -> NlsLayer:
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    return _Layer(
+    return NlsLayer(
         *(p.kind for p in projections),
         *(_ptr(p.tiles) for p in projections),
         _ptr(layer.qkv.bias), _ptr(layer.o.bias), _ptr(layer.input_norm), _ptr(layer.post_norm),
@@ -98,20 +59,16 @@ def _layer_struct(layer) -> _Layer:
 
 def _kernel_limits(decoder: NativeDecoder) -> str | None:
     """Why the kernels cannot run this declaration, or None."""
-    if decoder.head_dim % 8 or decoder.head_dim > _MAX_HEAD_DIM:
-        return f"head_dim {decoder.head_dim} is not a multiple of 8 up to {_MAX_HEAD_DIM}"
-    if decoder.num_heads % decoder.num_kv_heads:
-        return f"{decoder.num_heads} query heads do not group over {decoder.num_kv_heads} KV heads"
     layer = decoder.layers[0]
     if layer.k_cache.numel() == 0:
         return "the KV cache is not bound"
-    if layer.k_cache.dtype not in KV_DTYPE_CODES:
-        return f"the step reads a float32, float16 or int8 KV cache, not {layer.k_cache.dtype}"
-    if layer.k_cache.dtype == torch.int8 and any(
-        each.k_scale is None or each.v_scale is None for each in decoder.layers
-    ):
-        return "the int8 KV cache has no scales bound"
-    return None
+    return decode_step_limits(
+        decoder.head_dim,
+        decoder.num_heads,
+        decoder.num_kv_heads,
+        layer.k_cache.dtype,
+        all(each.k_scale is not None and each.v_scale is not None for each in decoder.layers),
+    )
 
 
 class StepSpan(NamedTuple):
@@ -133,7 +90,7 @@ class NativeDecodeStep:
     def __init__(self, decoder: NativeDecoder, model: nn.Module, max_context: int) -> None:
         self._model = model  # keeps every tensor the structures point into alive
         self._decoder = decoder
-        self._layers = (_Layer * len(decoder.layers))(*map(_layer_struct, decoder.layers))
+        self._layers = (NlsLayer * len(decoder.layers))(*map(_layer_struct, decoder.layers))
         k_cache = decoder.layers[0].k_cache
         lm_head = decoder.lm_head
         self.vocab_size = decoder.vocab_size
@@ -141,7 +98,7 @@ class NativeDecodeStep:
         self.num_blocks = k_cache.shape[0]
         self.max_context = min(max_context, decoder.rope.shape[0])
         self._returns_logits = lm_head is not None
-        self._struct = _Model(
+        self._struct = NlsModel(
             decoder.hidden_size, decoder.intermediate_size, decoder.num_heads,
             decoder.num_kv_heads, decoder.head_dim, len(decoder.layers), decoder.vocab_size,
             self.block_size, 0 if lm_head is None else lm_head.kind,
@@ -166,9 +123,7 @@ class NativeDecodeStep:
             return None
         reason = _kernel_limits(decoder)
         if reason is None:
-            from nanollmserve.native.build import kernels_unavailable_reason, load_kernels
-
-            reason = None if load_kernels() is not None else kernels_unavailable_reason()
+            reason = None if ops.load_kernels() is not None else ops.kernels_unavailable_reason()
         if reason is not None:
             logger.info("steps run in PyTorch, not as one native call: %s", reason)
             return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanollmserve.model.gguf_blocks import BLOCK_SIZE, KIND_Q8, TILE_OUTPUTS
+from nanollmserve.native.abi import BLOCK_SIZE, KIND_Q8, TILE_OUTPUTS
 
 _CODE_BYTES = 512
 """A Q8 tile-block: 16 outputs x 32 int8 codes, then their 16 float16 `d`."""

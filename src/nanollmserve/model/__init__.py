@@ -28,7 +28,7 @@ _EXPORTS = {
     "resolve_model": "source",
 }
 """Name -> the submodule defining it, imported when the name is first used: the torch-free
-submodules (the GGUF cache, `private_cache`, `source`) then load without torch, so `serve`
+submodules (the GGUF cache, `source`) then load without torch, so `serve`
 starts the native build before torch imports (`cli/serve.py`)."""
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,8 @@ standing for the weights `d * q + m` (byte `j` holds input `j` in its low nibble
 is `d` and 32 signed bytes standing for `d * q`.
 
 This module reads those blocks (never the dequantized floats) and lays each weight out as the
-native kernels read it (`native/gguf_cpu.c`), one row of bytes per output: the row's codes,
+native kernels read it (`native/gguf_cpu.c`; the block and tile constants are `native/abi.py`'s,
+checked against the C library at load), one row of bytes per output: the row's codes,
 then its `d` constants, then (4-bit kinds) its `m` constants, Q4_0 stored as Q4_1 with
 `m = -8 d` (exact in float16). q/k/v and gate/up are concatenated along the output rows as the
 fused modules expect, and llama.cpp's reordering of the query and key rows of Llama-family
@@ -30,18 +31,12 @@ import torch
 from nanollmserve.errors import UserError
 from nanollmserve.model.gguf_file import GGUFFile, GGUFTensor, read_gguf_file
 from nanollmserve.model.model_config import ModelConfig
+from nanollmserve.native.abi import BLOCK_SIZE, KIND_Q4, KIND_Q8, TILE_OUTPUTS
 
-BLOCK_SIZE = 32
-KIND_Q4 = 4
-"""4-bit codes with per-block `d` and `m` (from Q4_0 or Q4_1)."""
-KIND_Q8 = 8
-"""8-bit codes with a per-block `d` (from Q8_0)."""
 BLOCK_KINDS = {"Q4_0": KIND_Q4, "Q4_1": KIND_Q4, "Q8_0": KIND_Q8}
 """GGUF block types kept quantized -> the kernel kind that runs them."""
 ROW_BYTES_PER_BLOCK = {KIND_Q4: 20, KIND_Q8: 34}
-TILE_OUTPUTS = 16
-"""Outputs per tile of the kernels' weight layout (`BlockRows.tiled`)."""
-TILE_BLOCK_BYTES = {KIND_Q4: 320, KIND_Q8: 544}
+"""Bytes of one block of 32 weights in a kernel row (`BlockRows.rows`): codes, `d`, (Q4) `m`."""
 _STORED_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 """Bytes of one block of 32 weights as the file stores it."""
 _GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from nanollmserve.errors import UserError
-from nanollmserve.model.private_cache import (
+from nanollmserve.private_cache import (
     PRIVATE_FILE_MODE,
     cache_root,
     check_trusted,

@@ -209,4 +209,8 @@ void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, 
     _tile_release();
 }
 
+#else
+
+int nls_amx_init(void) { return 0; } /* nothing to ask for without AMX tiles */
+
 #endif

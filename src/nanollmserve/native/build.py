@@ -1,5 +1,5 @@
-"""Compile the native sources (`gguf_cpu.c`, `sampling_cpu.c`) once per machine and load them
-with ctypes.
+"""Compile the native sources (`gguf_cpu.c`, `amx_cpu.c`, `attention_cpu.c`,
+`sampling_cpu.c`) once per machine into the library `native/ops.py` loads.
 
 The library is plain C with OpenMP (no PyTorch headers, so it compiles in about a second),
 built with the system C compiler (`$CC`, default `cc`) into
@@ -13,25 +13,17 @@ process a second caller waits for the build in flight. Only this CPU's ISA level
 start runs the build in a background thread (`build_in_background`) while the weights are
 converted.
 
-The path is predictable, so the cache is private (`model/private_cache.py`): its directories
-are created 0700, the library is made owner-only before the rename, and a library whose
-directory or file another user could have written (owned by someone else, or writable by
+The path is predictable, so the cache is private (`nanollmserve/private_cache.py`): its
+directories are created 0700, the library is made owner-only before the rename, and a library
+whose directory or file another user could have written (owned by someone else, or writable by
 group or others) is refused with the reason, never loaded.
 
-It loads after PyTorch, so its OpenMP runtime is the one PyTorch already loaded (same
-`libgomp.so.1` soname): one thread pool, not two.
-
-`load_kernels()` returns None, with the reason logged once, where the kernels cannot run: not
-Linux x86-64, a CPU without AVX2/FMA/F16C, no C compiler, a failed build, or a library whose
-constants or struct layouts differ from the Python side's (`native/ops.py` `bind`, which also
-declares every entry point's ctypes signature: Python calls the library only through
-`native/ops.py`). Callers then keep the dequantized weights.
+This module only compiles: `native/ops.py` opens the library, binds its entry points and
+checks its ABI (`load_kernels`). A build that cannot run here raises `NativeUnavailable`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -43,6 +35,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from nanollmserve.private_cache import (
+    UntrustedCacheError,
+    cache_root,
+    check_trusted,
+    private_cache_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +125,6 @@ def build_flags(level: str) -> tuple[str, ...]:
 def library_path(level: str) -> Path:
     """Where the library for these sources, this ISA level's flags and this compiler lives
     (built or not): `native/<hash>/libnanollmserve_native-<level>.so`."""
-    from nanollmserve.model.private_cache import cache_root
-
     compiler = _compiler()
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
@@ -146,12 +143,6 @@ def build_library(level: str | None = None) -> Path:
     if reason:
         raise NativeUnavailable(reason)
     level = level or isa_level()
-    from nanollmserve.model.private_cache import (
-        UntrustedCacheError,
-        check_trusted,
-        private_cache_dir,
-    )
-
     path = library_path(level)
     try:
         private_cache_dir("native", path.parent.name)
@@ -206,7 +197,7 @@ def _parallel_compiles() -> int:
 def build_in_background() -> None:
     """Start compiling this CPU's library in a thread, so the build overlaps what the caller
     does next (converting and laying out the weights on a first start); a failure is left for
-    `load_kernels` to report. Whoever needs the library meanwhile waits for that build."""
+    `ops.load_kernels` to report. Whoever needs the library meanwhile waits for that build."""
 
     def build() -> None:
         try:
@@ -215,40 +206,3 @@ def build_in_background() -> None:
             logger.debug("building the native kernels in the background failed", exc_info=True)
 
     threading.Thread(target=build, name="native-build").start()
-
-
-def load_kernels() -> ctypes.CDLL | None:
-    """The loaded library, its signatures set and its ABI checked by `native/ops.py`, or None
-    (reason logged once)."""
-    return _load()[0]
-
-
-def kernels_unavailable_reason() -> str | None:
-    """None when the kernels are loaded, else why they cannot run here."""
-    return _load()[1]
-
-
-def _open_library() -> ctypes.CDLL:
-    """The library of this CPU's ISA level; for `amx`, only once the kernel has granted this
-    process the AMX tile state (Linux asks for it per process), else the `avx512` one."""
-    level = isa_level()
-    library = ctypes.CDLL(str(build_library(level)))
-    if level == "amx" and library.nls_amx_init() != 0:
-        logger.warning("the kernel refused AMX tile state to this process: using the avx512 build")
-        library = ctypes.CDLL(str(build_library("avx512")))
-    return library
-
-
-@functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    import torch  # noqa: F401  (first: its OpenMP runtime is the one the library binds to)
-
-    from nanollmserve.native.ops import bind
-
-    try:
-        library = _open_library()
-        bind(library)  # the signatures, then the ABI check: a library that differs is refused
-    except (NativeUnavailable, OSError) as error:
-        logger.warning("native GGUF kernels unavailable: %s", error)
-        return None, str(error)
-    return library, None

@@ -504,30 +504,7 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
 
 /* ---------------------------------------------------------- public: one decode step -- */
 
-typedef struct {
-    int32_t qkv_kind, o_kind, gate_up_kind, down_kind; /* KIND_Q4 or KIND_Q8 */
-    const uint8_t *qkv, *o, *gate_up, *down;          /* rows of those kinds */
-    const float *qkv_bias, *o_bias;                    /* or NULL */
-    const float *input_norm, *post_norm;               /* [hidden] */
-    const float *q_norm, *k_norm;                      /* [head_dim] (Qwen3) or NULL */
-    void *k_cache, *v_cache;                           /* [blocks, block_size, kv_heads, head_dim] of kv_dtype */
-    float *k_scale, *v_scale;                          /* int8: [blocks, block_size, kv_heads]; else NULL */
-} nls_layer;
-
-typedef struct {
-    int32_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_layers, vocab, block_size;
-    int32_t lm_head_kind; /* KIND_Q4 / KIND_Q8, or 0: write the final normed hidden state */
-    int32_t max_context;
-    int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
-    int32_t kv_dtype;     /* NLS_KV_F32, NLS_KV_F16 or NLS_KV_INT8 (native.h) */
-    int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; KIND_Q8: tiled Q8 rows (lm_head's layout) */
-    float eps, attn_scale;
-    const void *embed;       /* the input embedding table, as `embed_kind` says */
-    const float *final_norm; /* [hidden] */
-    const float *rope;       /* [positions, head_dim]: cos of the half-dim frequencies, then sin */
-    const uint8_t *lm_head;  /* [vocab] rows of lm_head_kind */
-    const nls_layer *layers;
-} nls_model;
+/* nls_layer and nls_model: native.h */
 
 /* Row `token` of the embedding table into `out` [hidden]. A Q8 table is read in the tiled
  * layout of the block kernels (token = output o of tile token / TILE; in each block of 32,

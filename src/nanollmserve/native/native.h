@@ -9,6 +9,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define QK 32
@@ -18,6 +19,10 @@
 
 static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 : 544; }
 
+/* 0 when this process may use AMX tiles: Linux grants the tile state per process, and the
+ * `amx` build asks for it (amx_cpu.c); other builds have nothing to ask and answer 0. */
+int nls_amx_init(void);
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define NLS_HAS_AMX 1
 #define AMX_MIN_ROWS 8 /* fewer rows run the vector kernel (measured crossover) */
@@ -25,7 +30,6 @@ static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 
  * rows (a step's products, ms at 16/32 rows: vector 13.7-14.5/23.7-24.2, AMX 14.3-14.9/
  * 22.2-22.4; scripts/profile_breakdown.py, stop 34). */
 #define AMX_STEP_MIN_ROWS 32
-int nls_amx_init(void);
 int64_t nls_amx_workspace_bytes(int64_t in, int64_t rows, int num_threads);
 void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                            const float *dx, const float *sx, int64_t rows, const float *bias, float *y,
@@ -53,6 +57,60 @@ void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, 
 #define NLS_KV_F16 2
 
 static inline int64_t kv_element_bytes(int dtype) { return dtype == NLS_KV_F32 ? 4 : dtype == NLS_KV_F16 ? 2 : 1; }
+
+/* ------------------------------------------------------- the decode step's model -- */
+
+/* One decoder layer and the whole model as `nls_decode_step` (gguf_cpu.c) reads them. Python
+ * fills them through ctypes mirrors (`NlsLayer`, `NlsModel` in native/abi.py) and checks the
+ * library's sizes and offsets at load (`nls_abi_info`); the layout is also asserted here at
+ * compile time, so a field moved on this side alone fails the build, not a decode. */
+typedef struct {
+    int32_t qkv_kind, o_kind, gate_up_kind, down_kind; /* KIND_Q4 or KIND_Q8 */
+    const uint8_t *qkv, *o, *gate_up, *down;          /* rows of those kinds */
+    const float *qkv_bias, *o_bias;                    /* or NULL */
+    const float *input_norm, *post_norm;               /* [hidden] */
+    const float *q_norm, *k_norm;                      /* [head_dim] (Qwen3) or NULL */
+    void *k_cache, *v_cache;                           /* [blocks, block_size, kv_heads, head_dim] of kv_dtype */
+    float *k_scale, *v_scale;                          /* int8: [blocks, block_size, kv_heads]; else NULL */
+} nls_layer;
+
+typedef struct {
+    int32_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_layers, vocab, block_size;
+    int32_t lm_head_kind; /* KIND_Q4 / KIND_Q8, or 0: write the final normed hidden state */
+    int32_t max_context;
+    int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
+    int32_t kv_dtype;     /* NLS_KV_F32, NLS_KV_F16 or NLS_KV_INT8 (native.h) */
+    int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; KIND_Q8: tiled Q8 rows (lm_head's layout) */
+    float eps, attn_scale;
+    const void *embed;       /* the input embedding table, as `embed_kind` says */
+    const float *final_norm; /* [hidden] */
+    const float *rope;       /* [positions, head_dim]: cos of the half-dim frequencies, then sin */
+    const uint8_t *lm_head;  /* [vocab] rows of lm_head_kind */
+    const nls_layer *layers;
+} nls_model;
+
+#define NLS_ASSERT_OFFSET(type, field, offset) \
+    _Static_assert(offsetof(type, field) == (offset), #type "." #field ": update native/abi.py")
+#define NLS_PTR ((int64_t)sizeof(void *))
+_Static_assert(sizeof(void *) == 8 && sizeof(float) == 4, "the ctypes mirrors assume LP64");
+NLS_ASSERT_OFFSET(nls_layer, qkv_kind, 0);
+NLS_ASSERT_OFFSET(nls_layer, down_kind, 12);
+NLS_ASSERT_OFFSET(nls_layer, qkv, 16);
+NLS_ASSERT_OFFSET(nls_layer, qkv_bias, 16 + 4 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, input_norm, 16 + 6 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, q_norm, 16 + 8 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, k_cache, 16 + 10 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, v_scale, 16 + 13 * NLS_PTR);
+_Static_assert(sizeof(nls_layer) == 16 + 14 * NLS_PTR, "nls_layer: update native/abi.py");
+NLS_ASSERT_OFFSET(nls_model, hidden, 0);
+NLS_ASSERT_OFFSET(nls_model, embed_kind, 12 * 4);
+NLS_ASSERT_OFFSET(nls_model, eps, 13 * 4);
+NLS_ASSERT_OFFSET(nls_model, attn_scale, 14 * 4);
+NLS_ASSERT_OFFSET(nls_model, embed, 64); /* 4 bytes of padding after attn_scale */
+NLS_ASSERT_OFFSET(nls_model, layers, 64 + 4 * NLS_PTR);
+_Static_assert(sizeof(nls_model) == 64 + 5 * NLS_PTR, "nls_model: update native/abi.py");
+/* a tile-block: 16 outputs' codes for 32 inputs, then their d (and, Q4, m) as halves */
+_Static_assert(TILE * QK / 2 + 2 * TILE * 2 == 320 && TILE * QK + TILE * 2 == 544, "tile-block bytes");
 
 /* ---------------------------------------------------------------- small vector helpers -- */
 

@@ -1,4 +1,5 @@
-"""The native ops as typed Python functions: the one place that calls into the C library.
+"""The native library, loaded and bound, and its ops as typed Python functions: the one place
+that calls into the C library.
 
 One function per C entry point (vLLM's `_custom_ops.py` is the model): it checks the shapes,
 dtypes, devices and contiguity of its tensors before any native code runs (a wrong pointer
@@ -8,44 +9,56 @@ NLS_NO_MEMORY, ValueError naming what was out of range for the others. Per-call 
 memory is a `Workspace` allocated once per thread (the engine's) and grown when a larger
 step needs more, never allocated per call, here or in C.
 
-Each entry point's ctypes signature is declared beside the function that calls it, and
-`bind` sets them all on the library when `native/build.py` loads it. `bind` then checks the
+Each entry point's ctypes signature is declared beside the function that calls it (AMX's
+`nls_amx_init` included), and `bind` sets them all on the library `load_kernels` opens (the
+build of this CPU's ISA level, compiled by `native/build.py`). `bind` then checks the
 library's ABI (`nls_abi_info`: its constants, statuses, struct sizes and field offsets)
-against this side's (`model/gguf_blocks.py`, the statuses below, the ctypes structures of
-`engine/native_decode.py`) and refuses a library that differs: the kernels are then
-reported unavailable with the differences as the reason.
+against this side's (`native/abi.py`) and refuses a library that differs: the kernels are
+then reported unavailable with the differences as the reason.
+
+The library loads after PyTorch, so its OpenMP runtime is the one PyTorch already loaded
+(same `libgomp.so.1` soname): one thread pool, not two. `load_kernels()` returns None, with
+the reason logged once, where the kernels cannot run: not Linux x86-64, a CPU without
+AVX2/FMA/F16C, no C compiler, a failed build, or a library whose constants or struct layouts
+differ from `native/abi.py`'s. Callers then keep the dequantized weights.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import math
 import threading
 
 import torch
 
-from nanollmserve.model import gguf_blocks
-from nanollmserve.model.gguf_blocks import BLOCK_SIZE, TILE_BLOCK_BYTES, TILE_OUTPUTS
-from nanollmserve.native.build import NativeUnavailable, kernels_unavailable_reason, load_kernels
+from nanollmserve.native.abi import (
+    BLOCK_SIZE,
+    DECODE_PHASES,
+    MAX_HEAD_DIM,
+    NLS_BAD_BLOCK,
+    NLS_BAD_POSITION,
+    NLS_BAD_SHAPE,
+    NLS_BAD_TOKEN,
+    NLS_KV_F16,
+    NLS_KV_F32,
+    NLS_KV_INT8,
+    NLS_NO_MEMORY,
+    TILE_BLOCK_BYTES,
+    TILE_OUTPUTS,
+    NlsModel,
+    abi_differences,
+    expected_abi,
+    head_limits,
+    library_abi,
+)
+from nanollmserve.native.build import NativeUnavailable, build_library, isa_level
 
-MAX_HEAD_DIM = 256
-"""The largest head size the attention kernels hold in their accumulators."""
-DECODE_PHASES = ("other", "qkv", "rope_kv_write", "attention", "o", "gate_up", "down", "lm_head")
-"""The parts of a native step `decode_profile` times, in the C enum's order: "other" is the
-norms, activation quantization, residual adds and SiLU between the products."""
-NLS_NO_MEMORY = -1
-NLS_BAD_POSITION = -2
-NLS_BAD_TOKEN = -3
-NLS_BAD_BLOCK = -4
-NLS_BAD_SHAPE = -5
-_STATUS_NAMES = (
-    "NLS_NO_MEMORY", "NLS_BAD_POSITION", "NLS_BAD_TOKEN", "NLS_BAD_BLOCK", "NLS_BAD_SHAPE",
-)  # fmt: skip
-NLS_KV_F32 = 0
-NLS_KV_INT8 = 1
-NLS_KV_F16 = 2
-"""The KV cache element types the attention reads (native.h; `nls_model.kv_dtype`)."""
+logger = logging.getLogger(__name__)
+
 KV_DTYPE_CODES = {torch.float32: NLS_KV_F32, torch.int8: NLS_KV_INT8, torch.float16: NLS_KV_F16}
+"""The KV cache dtypes the attention reads -> their `nls_model.kv_dtype` codes."""
 
 _i32, _i64, _int, _float, _ptr = (
     ctypes.c_int32, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
@@ -247,13 +260,7 @@ def paged_decode_attention(
             f"{op}: caches {list(k_cache.shape)} and {list(v_cache.shape)} are not one "
             "contiguous shape"
         )
-    if (
-        cache_head_dim != head_dim
-        or num_kv_heads == 0
-        or num_heads % num_kv_heads
-        or head_dim % 8
-        or not 0 < head_dim <= MAX_HEAD_DIM
-    ):
+    if cache_head_dim != head_dim or head_limits(head_dim, num_heads, num_kv_heads):
         raise ValueError(
             f"{op}: q {list(q.shape)} does not fit caches {list(k_cache.shape)} (heads a "
             f"multiple of the KV heads, head_dim a multiple of 8 up to {MAX_HEAD_DIM})"
@@ -366,16 +373,29 @@ _DECODE_REFUSALS = {
 DECODE_WORKSPACE = Workspace()
 
 
-def _check_model(op: str, model: object) -> ctypes.Structure:
-    from nanollmserve.engine.native_decode import _Model
-
-    if not isinstance(model, _Model):
+def _check_model(op: str, model: object) -> NlsModel:
+    if not isinstance(model, NlsModel):
         raise ValueError(f"{op}: {type(model).__name__} is not the native model structure")
     return model
 
 
+def decode_step_limits(
+    head_dim: int, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype, has_scales: bool
+) -> str | None:
+    """Why `decode_step` cannot run a decoder of these heads over a KV cache of `kv_dtype`
+    (int8 codes need their scales: `has_scales`), or None."""
+    reason = head_limits(head_dim, num_heads, num_kv_heads)
+    if reason is not None:
+        return reason
+    if kv_dtype not in KV_DTYPE_CODES:
+        return f"the step reads a float32, float16 or int8 KV cache, not {kv_dtype}"
+    if kv_dtype == torch.int8 and not has_scales:
+        return "the int8 KV cache has no scales bound"
+    return None
+
+
 def decode_step(
-    model: ctypes.Structure,
+    model: NlsModel,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     seq_of_token: torch.Tensor,
@@ -383,13 +403,13 @@ def decode_step(
     logit_rows: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """The whole model (`nls_decode_step`, the `_Model` structure of
-    `engine/native_decode.py`) over one step's `tokens` (int64 [T]) of one or several
-    sequences: token t at `positions[t]` of sequence `seq_of_token[t]` (int64 [T]), whose
-    blocks are row seq_of_token[t] of `block_tables` (int64 [seqs, width], reaching each
-    token's position); writes their K/V there and, for each token in `logit_rows` (int64 [R]),
-    one row of logits (or, without a native lm_head, the final normed hidden state) into
-    `out` (float32, contiguous). The step's scratch memory is `DECODE_WORKSPACE`'s."""
+    """The whole model (`nls_decode_step`, an `NlsModel` of `native/abi.py`) over one step's
+    `tokens` (int64 [T]) of one or several sequences: token t at `positions[t]` of sequence
+    `seq_of_token[t]` (int64 [T]), whose blocks are row seq_of_token[t] of `block_tables`
+    (int64 [seqs, width], reaching each token's position); writes their K/V there and, for
+    each token in `logit_rows` (int64 [R]), one row of logits (or, without a native lm_head,
+    the final normed hidden state) into `out` (float32, contiguous). The step's scratch
+    memory is `DECODE_WORKSPACE`'s."""
     op = "native decode step"
     _check_model(op, model)
     for name, tensor, dims in (
@@ -451,57 +471,9 @@ def decode_profile(enable: bool) -> dict[str, float]:
 # ------------------------------------------------------------------ binding and the ABI --
 
 _signature("nls_abi_info", [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_i64), _i64], _i64)
-
-
-def library_abi(library: ctypes.CDLL) -> dict[str, int]:
-    """The constants, statuses and struct layouts the library was built with
-    (`nls_abi_info`): name -> value."""
-    count = library.nls_abi_info(None, None, 0)
-    names, values = (ctypes.c_char_p * count)(), (ctypes.c_int64 * count)()
-    library.nls_abi_info(names, values, count)
-    return {name.decode(): value for name, value in zip(names, values, strict=True)}
-
-
-def expected_abi() -> dict[str, int]:
-    """What this side assumes of the library, in `nls_abi_info`'s names."""
-    from nanollmserve.engine.native_decode import _Layer, _Model
-
-    blocks = gguf_blocks
-    expected = {
-        "QK": blocks.BLOCK_SIZE,
-        "TILE": blocks.TILE_OUTPUTS,
-        "KIND_Q4": blocks.KIND_Q4,
-        "KIND_Q8": blocks.KIND_Q8,
-        "TILE_BLOCK_BYTES_Q4": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q4],
-        "TILE_BLOCK_BYTES_Q8": blocks.TILE_BLOCK_BYTES[blocks.KIND_Q8],
-        "MAX_HEAD_DIM": MAX_HEAD_DIM,
-        "NLS_PHASES": len(DECODE_PHASES),
-        "NLS_KV_F32": NLS_KV_F32,
-        "NLS_KV_INT8": NLS_KV_INT8,
-        "NLS_KV_F16": NLS_KV_F16,
-        **{name: globals()[name] for name in _STATUS_NAMES},
-    }
-    for c_name, structure in (("nls_layer", _Layer), ("nls_model", _Model)):
-        expected[f"sizeof({c_name})"] = ctypes.sizeof(structure)
-        for field, *_ in structure._fields_:
-            expected[f"{c_name}.{field}"] = getattr(structure, field).offset
-    return expected
-
-
-def abi_differences(library_values: dict[str, int], expected: dict[str, int]) -> list[str]:
-    """One line per difference. A struct field the library does not list is not one (its
-    size still has to match); a constant or field it lists that this side lacks is."""
-    differences = [
-        f"{name}: library {value}, Python {expected.get(name, 'missing')}"
-        for name, value in library_values.items()
-        if expected.get(name) != value
-    ]
-    differences += [
-        f"{name}: library missing, Python {value}"
-        for name, value in expected.items()
-        if name not in library_values and "." not in name
-    ]
-    return differences
+_signature("nls_amx_init", [], _int)
+"""0 when this process may use AMX tiles (Linux grants the tile state per process); builds
+without AMX answer 0, having nothing to ask for."""
 
 
 def bind(library: ctypes.CDLL) -> None:
@@ -518,3 +490,37 @@ def bind(library: ctypes.CDLL) -> None:
         raise NativeUnavailable(
             "the native library does not match the Python side: " + "; ".join(differences)
         )
+
+
+def load_kernels() -> ctypes.CDLL | None:
+    """The loaded library, its signatures set and its ABI checked, or None (reason logged
+    once)."""
+    return _load()[0]
+
+
+def kernels_unavailable_reason() -> str | None:
+    """None when the kernels are loaded, else why they cannot run here."""
+    return _load()[1]
+
+
+def _open_library() -> ctypes.CDLL:
+    """The library of this CPU's ISA level, bound; for `amx`, only once the kernel has granted
+    this process the AMX tile state, else the `avx512` one."""
+    level = isa_level()
+    library = ctypes.CDLL(str(build_library(level)))
+    bind(library)
+    if level == "amx" and library.nls_amx_init() != 0:
+        logger.warning("the kernel refused AMX tile state to this process: using the avx512 build")
+        library = ctypes.CDLL(str(build_library("avx512")))
+        bind(library)
+    return library
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        library = _open_library()
+    except (NativeUnavailable, OSError) as error:
+        logger.warning("native GGUF kernels unavailable: %s", error)
+        return None, str(error)
+    return library, None

@@ -1,0 +1,143 @@
+"""What the Python side and the C library agree on (`native/native.h`): the block layout
+constants, the kernel limits, the status and KV dtype codes, the ctypes mirrors of the
+`nls_layer` / `nls_model` structures, and the check of all of them against the library.
+
+The C side asserts its structure layouts at compile time (`_Static_assert` in native.h, as
+ggml does for its block sizes); at load, `ops.bind` asks the library for its numbers
+(`nls_abi_info`) and refuses one that differs from `expected_abi()`, naming the differences.
+No torch and no other project module here: this is the bottom of the house.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+BLOCK_SIZE = 32
+"""Weights per GGUF block (`QK`)."""
+KIND_Q4 = 4
+"""4-bit codes with per-block `d` and `m` (from Q4_0 or Q4_1)."""
+KIND_Q8 = 8
+"""8-bit codes with a per-block `d` (from Q8_0)."""
+TILE_OUTPUTS = 16
+"""Outputs per tile of the kernels' weight layout (`TILE`; `BlockRows.tiled`)."""
+TILE_BLOCK_BYTES = {KIND_Q4: 320, KIND_Q8: 544}
+"""Bytes of one tile-block (16 outputs x 32 inputs) of each kind."""
+MAX_HEAD_DIM = 256
+"""The largest head size the attention kernels hold in their accumulators."""
+DECODE_PHASES = ("other", "qkv", "rope_kv_write", "attention", "o", "gate_up", "down", "lm_head")
+"""The parts of a native step `ops.decode_profile` times, in the C enum's order: "other" is
+the norms, activation quantization, residual adds and SiLU between the products."""
+
+NLS_NO_MEMORY = -1
+NLS_BAD_POSITION = -2
+NLS_BAD_TOKEN = -3
+NLS_BAD_BLOCK = -4
+NLS_BAD_SHAPE = -5
+STATUS_NAMES = (
+    "NLS_NO_MEMORY", "NLS_BAD_POSITION", "NLS_BAD_TOKEN", "NLS_BAD_BLOCK", "NLS_BAD_SHAPE",
+)  # fmt: skip
+NLS_KV_F32 = 0
+NLS_KV_INT8 = 1
+NLS_KV_F16 = 2
+"""The KV cache element types the attention reads (`nls_model.kv_dtype`)."""
+
+
+class NlsLayer(ctypes.Structure):
+    """`nls_layer` of native.h: one decoder layer's weights and K/V cache."""
+
+    _fields_ = [
+        ("qkv_kind", ctypes.c_int32),
+        ("o_kind", ctypes.c_int32),
+        ("gate_up_kind", ctypes.c_int32),
+        ("down_kind", ctypes.c_int32),
+        *((name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")),
+        *((name, ctypes.c_void_p) for name in ("qkv_bias", "o_bias", "input_norm", "post_norm")),
+        *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "k_cache", "v_cache")),
+        *((name, ctypes.c_void_p) for name in ("k_scale", "v_scale")),
+    ]
+
+
+class NlsModel(ctypes.Structure):
+    """`nls_model` of native.h: the sizes of a decoder and pointers to its tensors."""
+
+    _fields_ = [
+        *(
+            (name, ctypes.c_int32)
+            for name in (
+                "hidden",
+                "intermediate",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "num_layers",
+                "vocab",
+                "block_size",
+                "lm_head_kind",
+                "max_context",
+                "num_blocks",
+                "kv_dtype",
+                "embed_kind",
+            )
+        ),  # fmt: skip
+        ("eps", ctypes.c_float),
+        ("attn_scale", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("embed", "final_norm", "rope", "lm_head", "layers")),
+    ]
+
+
+def head_limits(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the attention kernels cannot run these heads, or None (the C checks the same)."""
+    if head_dim % 8 or not 0 < head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
+    return None
+
+
+def library_abi(library: ctypes.CDLL) -> dict[str, int]:
+    """The constants, statuses and struct layouts the library was built with
+    (`nls_abi_info`, its signature set by `ops.bind`): name -> value."""
+    count = library.nls_abi_info(None, None, 0)
+    names, values = (ctypes.c_char_p * count)(), (ctypes.c_int64 * count)()
+    library.nls_abi_info(names, values, count)
+    return {name.decode(): value for name, value in zip(names, values, strict=True)}
+
+
+def expected_abi() -> dict[str, int]:
+    """What this side assumes of the library, in `nls_abi_info`'s names (read from this
+    module's globals at each call)."""
+    expected = {
+        "QK": BLOCK_SIZE,
+        "TILE": TILE_OUTPUTS,
+        "KIND_Q4": KIND_Q4,
+        "KIND_Q8": KIND_Q8,
+        "TILE_BLOCK_BYTES_Q4": TILE_BLOCK_BYTES[KIND_Q4],
+        "TILE_BLOCK_BYTES_Q8": TILE_BLOCK_BYTES[KIND_Q8],
+        "MAX_HEAD_DIM": MAX_HEAD_DIM,
+        "NLS_PHASES": len(DECODE_PHASES),
+        "NLS_KV_F32": NLS_KV_F32,
+        "NLS_KV_INT8": NLS_KV_INT8,
+        "NLS_KV_F16": NLS_KV_F16,
+        **{name: globals()[name] for name in STATUS_NAMES},
+    }
+    for c_name, structure in (("nls_layer", NlsLayer), ("nls_model", NlsModel)):
+        expected[f"sizeof({c_name})"] = ctypes.sizeof(structure)
+        for field, *_ in structure._fields_:
+            expected[f"{c_name}.{field}"] = getattr(structure, field).offset
+    return expected
+
+
+def abi_differences(library_values: dict[str, int], expected: dict[str, int]) -> list[str]:
+    """One line per difference. A struct field the library does not list is not one (its
+    size still has to match); a constant or field it lists that this side lacks is."""
+    differences = [
+        f"{name}: library {value}, Python {expected.get(name, 'missing')}"
+        for name, value in library_values.items()
+        if expected.get(name) != value
+    ]
+    differences += [
+        f"{name}: library missing, Python {value}"
+        for name, value in expected.items()
+        if name not in library_values and "." not in name
+    ]
+    return differences
