@@ -22,6 +22,7 @@ from nanollmserve.api.auth import OPEN_PATHS, AdminKeyMiddleware, APIKeyMiddlewa
 from nanollmserve.api.body_limit import BodySizeLimitMiddleware
 from nanollmserve.api.debug import router as debug_router
 from nanollmserve.api.errors import install_error_handlers
+from nanollmserve.api.llamacpp_routes import router as llamacpp_router
 from nanollmserve.api.playground import router as playground_router
 from nanollmserve.api.request_id import RequestIdEchoMiddleware
 from nanollmserve.api.request_log import RequestLogger
@@ -49,6 +50,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     if settings.log_requests:
         engine.add_observer(RequestLogger(settings.log_prompts))
     app.include_router(router)
+    app.include_router(llamacpp_router)  # llama.cpp's native API (/completion, /props, ...)
     app.include_router(playground_router)
     app.include_router(sleep_router)  # 404 unless --enable-sleep-mode
     if settings.enable_debug_endpoints:
