@@ -1,0 +1,112 @@
+"""`scripts/make-bench-model`: the random-weight Llama GGUF the 1B-scale benchmarks run on,
+at tiny dimensions: our loader reads it and generates from it (ignore_eos; the text of random
+weights means nothing and is never checked), and the writer streams the tensors instead of
+holding the model. Quantizing with llama.cpp's llama-quantize runs where the peer is built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+pytestmark = pytest.mark.milestone("m31")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "make-bench-model"
+TINY = ("--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "512")
+
+
+def make(tmp_path: Path, *flags: str, types: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BENCH_MODEL_DIR": str(tmp_path), "BENCH_MODEL_NAME": "tiny",
+           "BENCH_MODEL_TYPES": types}  # fmt: skip
+    return subprocess.run(
+        [str(SCRIPT), *flags], capture_output=True, text=True, timeout=240, env=env, check=False
+    )
+
+
+def generate(path: Path, tokens: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanollmserve.cli.main", "generate", "--model", str(path),
+         "--prompt", "Once upon a time", "--max-tokens", str(tokens), "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_the_f16_model_loads_and_generates(tmp_path: Path) -> None:
+    proc = make(tmp_path, *TINY, types="")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "tiny-F16.gguf"
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "F16" and types["output.weight"] == "F16"
+    assert types["blk.1.attn_norm.weight"] == "F32"
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 49152  # the bundled vocabulary
+    assert reader.fields["llama.block_count"].contents() == 2
+    assert reader.fields["llama.attention.head_count_kv"].contents() == 2
+    assert tuple(reader.tensors[0].shape) == (256, 49152)  # token_embd, GGUF order [in, out]
+    out = generate(path, 6)
+    assert out["generated_tokens"] == 6 and out["finish_reason"] == "length"
+
+
+@pytest.mark.timeout(400)
+def test_the_writer_streams_tensors(tmp_path: Path) -> None:
+    """Peak RSS of the writer stays below the file it writes (160M parameters, 320 MB): it
+    holds one tensor at a time, never the model."""
+    path = tmp_path / "stream.gguf"
+    code = (
+        "import resource, sys; sys.path.insert(0, sys.argv[1]); import make_bench_model as m; "
+        "m.main(sys.argv[2:]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    flags = ("--hidden", "512", "--layers", "16", "--heads", "8", "--kv-heads", "2",
+             "--ffn", "4096")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "scripts"), str(path), *flags],
+        capture_output=True, text=True, timeout=360, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    peak = int(proc.stdout.split()[-1]) * 1024
+    size = path.stat().st_size
+    assert size > 300e6
+    assert peak < size, f"peak RSS {peak / 1e6:.0f} MB >= file {size / 1e6:.0f} MB"
+
+
+def quantizer() -> str | None:
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "peer-llamacpp"), "bin", "quantize"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+@pytest.mark.skipif(
+    quantizer() is None, reason="llama-quantize not built (scripts/peer-llamacpp setup)"
+)
+def test_llama_quantize_writes_k_quants_we_load(tmp_path: Path) -> None:
+    proc = make(tmp_path, *TINY, types="Q4_K_M")
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert "Q4_K" in types, types
+    assert f"{path}: " in proc.stdout  # its type mix is printed
+    out = generate(path, 4)
+    assert out["generated_tokens"] == 4
+
+
+def test_without_llama_quantize_only_the_f16_file_is_written(tmp_path: Path) -> None:
+    """A missing peer is a note, not a failure (PEER_DIR points at an empty directory)."""
+    env = {**os.environ, "BENCH_MODEL_DIR": str(tmp_path), "BENCH_MODEL_NAME": "tiny",
+           "BENCH_MODEL_TYPES": "Q4_K_M", "PEER_DIR": str(tmp_path / "no-peer")}  # fmt: skip
+    flags = ("--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "64")
+    proc = subprocess.run(
+        [str(SCRIPT), *flags], capture_output=True, text=True, timeout=240, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no llama-quantize" in proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.gguf")) == ["tiny-F16.gguf"]
