@@ -11,7 +11,8 @@ plus chat's `seed`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos` an
 `tool_use` blocks an assistant's `tool_calls`, `tool_result` blocks `tool` messages, `any`
 becomes "required" and `tool` a named function; the chat path (template, tools, grammar,
 limits, sampling) does the rest. Unknown top-level fields are a 400, as Anthropic answers;
-block types this server cannot read (images, documents, server tools) are a 400 naming them.
+block types this server cannot read are a 400 naming them (`image` and `document` blocks,
+anywhere in a message or a tool result, with "<type> input is not supported"; server tools).
 """
 
 from __future__ import annotations
@@ -19,14 +20,34 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from nanollmserve.api.protocol import MAX_INT32
 from nanollmserve.api.protocol_base import OpenAIBaseModel, RequestModel
 from nanollmserve.api.protocol_chat import ChatCompletionRequest
 
-
 # -- request ---------------------------------------------------------------------------------
+UNREADABLE_BLOCKS = ("image", "document")
+"""Block types of Anthropic's that need a model which reads them (vision, PDFs)."""
+
+
+def refuse_unreadable_blocks(data):
+    """A 400 that says why for an `image` or `document` block in a message's raw `content`
+    list or a `tool_result` block's in it: the served models read text only. (Left to the
+    content union, the error named a string mismatch.)"""
+    content = data.get("content") if isinstance(data, dict) else None
+    for block in content if isinstance(content, list) else []:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_result":
+            refuse_unreadable_blocks(block)
+        if kind in UNREADABLE_BLOCKS:
+            raise ValueError(
+                f"{kind} input is not supported: this server runs text-only models (no "
+                f"vision or document reading yet); send the content as text blocks"
+            )
+    return data
+
+
 class TextBlock(OpenAIBaseModel):
     type: Literal["text"]
     text: str
@@ -62,6 +83,8 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discr
 class MessageParam(OpenAIBaseModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
+
+    _refuse_unreadable = model_validator(mode="before")(refuse_unreadable_blocks)
 
     def num_blocks(self) -> int:
         return 1 if isinstance(self.content, str) else len(self.content)
