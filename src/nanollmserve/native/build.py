@@ -1,4 +1,4 @@
-"""Compile the native sources (`gguf_cpu.c`, `amx_cpu.c`, `attention_cpu.c`,
+"""Compile the native sources (`gguf_cpu.c`, `kquant_cpu.c`, `amx_cpu.c`, `attention_cpu.c`,
 `sampling_cpu.c`) once per machine into the library `native/ops.py` loads.
 
 The library is plain C with OpenMP (no PyTorch headers, so it compiles in about a second),
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("gguf_cpu.c", "amx_cpu.c", "attention_cpu.c", "sampling_cpu.c")
+    for name in ("gguf_cpu.c", "kquant_cpu.c", "amx_cpu.c", "attention_cpu.c", "sampling_cpu.c")
 )
 HEADERS = (Path(__file__).with_name("native.h"),)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")

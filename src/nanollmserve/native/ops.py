@@ -197,6 +197,74 @@ def gguf_matmul(
     return out
 
 
+# ------------------------------------------------- K-quant and 5-bit block matmul --
+
+_signature("nls_kq_tile_block_bytes", [_int], _i64)
+_signature("nls_kq_matmul_workspace_bytes", [_i64, _i64, _int], _i64)
+_signature(
+    "nls_kq_matmul",
+    [_int, _int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
+    _int,
+)
+_signature("nls_kq_matmul_ref", [_int, _int, _ptr, _i64, _i64, _ptr, _i64, _ptr], _int)
+
+
+def kquant_matmul(
+    bits: int,
+    off: int,
+    tiles: torch.Tensor,
+    out_features: int,
+    x: torch.Tensor,
+    reference: bool = False,
+) -> torch.Tensor:
+    """x [rows, in] (any float dtype, CPU) @ W^T -> float32 [rows, out_features], W being
+    `tiles` of `bits`-bit codes offset by `off` (uint8 [ceil(out / 16), in / 32, tile-block
+    bytes], `KQuantRows.tiled()` of model/gguf_kquants.py). `reference`: the plain-C twin
+    (`nls_kq_matmul_ref`, one thread) instead of this build's vector kernel."""
+    op = "K-quant matmul"
+    if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
+        raise ValueError(
+            f"{op}: input {list(x.shape)} ({x.dtype}) on {x.device} is not a float "
+            "[rows, in] on the CPU"
+        )
+    library = _library()
+    rows, in_features = x.shape
+    block_bytes = library.nls_kq_tile_block_bytes(bits)
+    expected = (-(-out_features // TILE_OUTPUTS), in_features // BLOCK_SIZE, block_bytes)
+    if (
+        block_bytes < 0
+        or tiles.dtype != torch.uint8
+        or tiles.device.type != "cpu"
+        or tuple(tiles.shape) != expected
+        or not tiles.is_contiguous()
+        or in_features % BLOCK_SIZE
+        or in_features == 0
+    ):
+        raise ValueError(
+            f"{op}: tiles {list(tiles.shape)} ({tiles.dtype}, {tiles.device}) do not fit an "
+            f"input [{rows}, {in_features}] and {out_features} outputs of {bits}-bit codes"
+        )
+    x = x.float().contiguous()
+    out = torch.empty(rows, out_features)
+    if rows == 0:
+        return out
+    if reference:
+        status = library.nls_kq_matmul_ref(
+            bits, off, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            out.data_ptr(),
+        )  # fmt: skip
+    else:
+        threads = torch.get_num_threads()
+        nbytes = library.nls_kq_matmul_workspace_bytes(in_features, rows, threads)
+        workspace = MATMUL_WORKSPACE.get(nbytes)
+        status = library.nls_kq_matmul(
+            bits, off, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            out.data_ptr(), workspace.data_ptr(), workspace.numel(), threads,
+        )  # fmt: skip
+    _raise_for(status, f"{op} ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"})
+    return out
+
+
 # -------------------------------------------------------------- paged decode attention --
 
 _signature("nls_paged_decode_attention_workspace_bytes", [_i32, _i32, _i64, _int], _i64)

@@ -1,0 +1,235 @@
+"""The GGUF file's K-quant and 5-bit blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), taken apart into
+integers and laid out for the native kernel that runs them (`native/kquant_cpu.c`).
+
+Each of these types stands for its weights, per block of 32 inputs of one output row, as
+
+    w = d * sc_h * (q - off) + dm * mn
+
+(q: the 4-, 5- or 6-bit code; sc_h: the integer scale of the block's first or second 16
+inputs; d, dm: float16; mn: a small unsigned integer): `KQuantRows` holds exactly those
+numbers, read bit by bit from the file's bytes in ggml's layouts (`dequantize_row_q4_K` and
+its neighbours in ggml-quants.c), so nothing is rounded or re-quantized. The `gguf` package's
+`gguf.quants.dequantize` is the oracle these are tested against (tests/test_kquant_kernels.py).
+
+`KQuantRows.tiled()` lays the numbers out as the kernel reads them: 16 outputs per tile and
+per block of 32 inputs their low nibbles (gguf_cpu.c's Q4 arrangement), the higher code bits
+as one 32-bit mask per widened input pair, the sub-scales, `d`, `dm` and `mn`; the byte map
+is in kquant_cpu.c's header comment. A tile-block is 416, 480 or 544 bytes for 4-, 5- and
+6-bit codes (6.5 to 8.5 bits a weight, against the file's 4.5 to 6.6: the per-output scales
+of every 32-block are spelled out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 32
+"""Inputs per block of the kernel (sub-blocks of the 256-wide K-quant super-blocks)."""
+TILE = 16
+"""Outputs per tile (`TILE` of native.h)."""
+KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+"""GGUF block types this module reads -> their ggml type ids (`GGMLQuantizationType`)."""
+TYPE_BITS_OFFSET = {
+    "Q5_0": (5, 16),
+    "Q5_1": (5, 0),
+    "Q4_K": (4, 0),
+    "Q5_K": (5, 0),
+    "Q6_K": (6, 32),
+}
+"""Type -> (code bits, code offset `off`): the kernel's two parameters."""
+STORED = {
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+"""Type -> (weights per file block, bytes per file block)."""
+_TAIL_BYTES = 160
+
+
+def tile_block_bytes(bits: int) -> int:
+    """Bytes of one tile-block (16 outputs x 32 inputs) with `bits`-bit codes
+    (`nls_kq_tile_block_bytes`)."""
+    return 256 + 64 * (bits - 4) + _TAIL_BYTES
+
+
+@dataclass
+class KQuantRows:
+    """One weight [out, in] of a K-quant or 5-bit type, as integers and halves."""
+
+    type_name: str
+    codes: np.ndarray
+    """uint8 [out, in]: q, all its bits."""
+    sc: np.ndarray
+    """int8 [out, in / 16]: the scale of each 16 inputs."""
+    d: np.ndarray
+    """float16 [out, in / 32]."""
+    dm: np.ndarray
+    """float16 [out, in / 32]."""
+    mn: np.ndarray
+    """uint8 [out, in / 32]."""
+
+    @property
+    def bits(self) -> int:
+        return TYPE_BITS_OFFSET[self.type_name][0]
+
+    @property
+    def off(self) -> int:
+        return TYPE_BITS_OFFSET[self.type_name][1]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [out, in]: the weights these numbers stand for."""
+        out, n = self.codes.shape
+        q = self.codes.astype(np.float32).reshape(out, n // 16, 16) - self.off
+        w = q * self.sc.astype(np.float32)[..., None]
+        w = w.reshape(out, n // BLOCK, BLOCK) * self.d.astype(np.float32)[..., None]
+        w += (self.dm.astype(np.float32) * self.mn.astype(np.float32))[..., None]
+        return w.reshape(out, n)
+
+    def tiled(self) -> np.ndarray:
+        """uint8 [tiles, in / 32, tile_block_bytes(bits)], the last tile padded with zero
+        weights."""
+        out, n = self.codes.shape
+        nb, tiles = n // BLOCK, -(-out // TILE)
+        rows = tiles * TILE
+
+        def padded(a: np.ndarray) -> np.ndarray:
+            full = np.zeros((rows, *a.shape[1:]), dtype=a.dtype)
+            full[:out] = a
+            return full
+
+        codes = padded(self.codes).reshape(tiles, TILE, nb, BLOCK)
+        low, high = codes[..., :16] & 15, codes[..., 16:] & 15  # [t, o, b, 16]
+        nib = (low | (high << 4)).reshape(tiles, TILE, nb, 8, 2).transpose(0, 2, 3, 1, 4)
+        parts = [nib.reshape(tiles, nb, 256)]
+        lane_weights = np.left_shift(np.uint64(1), np.arange(32, dtype=np.uint64))
+        for k in range(self.bits - 4):
+            bit = ((codes >> (4 + k)) & 1).reshape(tiles, TILE, nb, 16, 2)  # input 2p + i
+            lanes = bit.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 16, 32).astype(np.uint64)
+            words = (lanes * lane_weights).sum(axis=-1).astype("<u4")
+            parts.append(words.view(np.uint8).reshape(tiles, nb, 64))
+        sc = padded(self.sc).reshape(tiles, TILE, nb, 2).transpose(0, 2, 3, 1)  # [t, b, h, o]
+        parts.append(np.repeat(sc, 2, axis=-1).reshape(tiles, nb, 64).view(np.uint8))
+
+        def per_tile(a: np.ndarray) -> np.ndarray:  # [rows, nb] -> [t, nb, 16 * itemsize]
+            a = padded(a).reshape(tiles, TILE, nb).transpose(0, 2, 1)
+            return np.ascontiguousarray(a).view(np.uint8).reshape(tiles, nb, -1)
+
+        parts += [per_tile(self.d), per_tile(self.dm), per_tile(self.mn)]
+        parts.append(np.zeros((tiles, nb, 16), dtype=np.uint8))
+        return np.ascontiguousarray(np.concatenate(parts, axis=2))
+
+
+def read_kquant_rows(type_name: str, raw: np.ndarray, in_features: int) -> KQuantRows:
+    """The file's bytes of a weight (uint8 [out, in / per-block * bytes-per-block]) taken
+    apart; ValueError for a type this module does not read or a shape that does not fit."""
+    if type_name not in KQUANT_TYPES:
+        raise ValueError(f"{type_name} is not one of {', '.join(KQUANT_TYPES)}")
+    per_block, block_bytes = STORED[type_name]
+    if in_features % per_block or raw.shape[-1] != in_features // per_block * block_bytes:
+        raise ValueError(
+            f"{type_name} rows of {raw.shape[-1]} bytes do not hold {in_features} inputs"
+        )
+    out = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out, -1, block_bytes)
+    return _READERS[type_name](blocks, out, in_features)
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """float16 [out, blocks] at byte `start` of each block."""
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+
+
+def _bits_of(words: np.ndarray, count: int) -> np.ndarray:
+    """uint8 [..., count]: bit j of each little-endian word."""
+    return ((words[..., None] >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q5_legacy(blocks: np.ndarray, out: int, n: int, with_m: bool) -> KQuantRows:
+    start = 4 if with_m else 2
+    qh = np.ascontiguousarray(blocks[..., start : start + 4]).view("<u4")[..., 0]
+    qs = blocks[..., start + 4 : start + 20]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1) | (_bits_of(qh, 32) << 4)
+    nb = n // BLOCK
+    d = _half(blocks, 0)
+    dm = _half(blocks, 2) if with_m else np.zeros((out, nb), dtype=np.float16)
+    mn = np.full((out, nb), 1 if with_m else 0, dtype=np.uint8)
+    sc = np.ones((out, n // 16), dtype=np.int8)
+    name = "Q5_1" if with_m else "Q5_0"
+    return KQuantRows(name, codes.reshape(out, n), sc, d, dm, mn)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 6-bit scales and mins of each super-block's 12 scale bytes
+    (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.concatenate(
+        [s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1
+    )
+    mn = np.concatenate(
+        [s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1
+    )
+    return sc, mn
+
+
+def _k_sub_blocks(blocks: np.ndarray, out: int, n: int, codes: np.ndarray, name: str) -> KQuantRows:
+    """Q4_K / Q5_K: per 32-block scale d * sc and min -dmin * mn."""
+    sc, mn = _k_scales(blocks[..., 4:16])  # [out, sb, 8]
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    nb = n // BLOCK
+    return KQuantRows(
+        name,
+        codes.reshape(out, n),
+        np.repeat(sc.reshape(out, nb), 2, axis=-1).astype(np.int8),
+        np.repeat(d, 8, axis=-1),
+        np.repeat(-dmin, 8, axis=-1),
+        mn.reshape(out, nb),
+    )
+
+
+def _q4_k(blocks: np.ndarray, out: int, n: int) -> KQuantRows:
+    qs = blocks[..., 16:144].reshape(out, -1, 4, 32)  # 4 chunks of 64 weights
+    codes = np.stack([qs & 15, qs >> 4], axis=3)  # [out, sb, chunk, low/high, 32]
+    return _k_sub_blocks(blocks, out, n, codes, "Q4_K")
+
+
+def _q5_k(blocks: np.ndarray, out: int, n: int) -> KQuantRows:
+    qh = blocks[..., 16:48]  # [out, sb, 32]: bit 2i / 2i + 1 is the 5th bit of chunk i's low / high
+    qs = blocks[..., 48:176].reshape(out, -1, 4, 32)
+    shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+    fifth = ((qh[:, :, None, None, :] >> shifts) & 1) << 4  # [out, sb, 4, 2, 32]
+    codes = np.stack([qs & 15, qs >> 4], axis=3) | fifth
+    return _k_sub_blocks(blocks, out, n, codes, "Q5_K")
+
+
+def _q6_k(blocks: np.ndarray, out: int, n: int) -> KQuantRows:
+    ql = blocks[..., 0:128].reshape(out, -1, 2, 2, 32)  # [out, sb, half, l / l + 32, 32]
+    qh = blocks[..., 128:192].reshape(out, -1, 2, 1, 32)
+    low = np.stack(
+        [ql[..., 0, :] & 15, ql[..., 1, :] & 15, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=3
+    )
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    high = (qh >> shifts) & 3  # [out, sb, half, 4, 32]
+    codes = low | (high << 4)
+    scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)  # [out, sb, 16]
+    nb = n // BLOCK
+    return KQuantRows(
+        "Q6_K",
+        codes.reshape(out, n),
+        scales.reshape(out, n // 16),
+        np.repeat(_half(blocks, 208), 8, axis=-1),
+        np.zeros((out, nb), dtype=np.float16),
+        np.zeros((out, nb), dtype=np.uint8),
+    )
+
+
+_READERS = {
+    "Q5_0": lambda b, out, n: _q5_legacy(b, out, n, with_m=False),
+    "Q5_1": lambda b, out, n: _q5_legacy(b, out, n, with_m=True),
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}

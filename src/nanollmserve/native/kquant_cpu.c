@@ -1,0 +1,272 @@
+/* Matrix products with weights in the GGUF file's K-quant and 5-bit blocks (Q4_K, Q5_K, Q6_K,
+ * Q5_0, Q5_1), `y[M, out] = x[M, in] @ W^T`, built into the native library with gguf_cpu.c
+ * (nanollmserve/native/build.py) and called through native/ops.py (`kquant_matmul`).
+ *
+ * Every one of these types stands for its weights, per block of 32 inputs and per output, as
+ *     w = d * sc_h * (q - off) + dm * mn
+ * with q an unsigned 4-, 5- or 6-bit code, sc_h a small integer scale of the block's first or
+ * second 16 inputs (h), d and dm float16 and mn a small unsigned integer (model/gguf_kquants.py
+ * takes the file's bytes apart into exactly these numbers, no rounding):
+ *     Q4_K, Q5_K: d, sc = the super-block's d and the 32-block's 6-bit scale, dm = -dmin,
+ *                 mn = the 32-block's 6-bit min, off 0;
+ *     Q6_K:       d, sc = the super-block's d and the 16-block's int8 scale, off 32, no m;
+ *     Q5_0:       d, sc 1, off 16, no m;            Q5_1: d, sc 1, m = dm, mn 1, off 0.
+ * So one kernel runs them all, with the activations of today's block kernels (gguf_cpu.c):
+ * each row quantized per block of 32 to int16 with one float scale dx and its exact sum sx.
+ * A block's product for output o is d dx S + dm mn sx, S = sum (sc_h (q - off)) xq, an integer:
+ * the sub-scale is multiplied into the widened 16-bit codes once per tile-block (|sc (q - off)|
+ * <= 4096 for Q6_K, 1953 for Q5_K), so S is exact in int32 when summed as two accumulators of
+ * 8 input pairs each (8 x 2 x 4096 x 32767 < 2^31) that are converted to float before adding.
+ *
+ * Weights are tiled as today's: 16 outputs at a time, each tile's blocks of 32 inputs in order,
+ * a tile-block (kq_tile_block_bytes(bits)) being
+ *   nib[256]   byte 32 g + 2 o + i: output o's code for input 2 g + i in its low nibble and for
+ *              input 16 + 2 g + i in its high one (low 4 bits of each code; gguf_cpu.c's Q4);
+ *   hi[bits-4][16] uint32: bit 2 o + i of word p is bit 4 + k of output o's code for input
+ *              2 p + i (p < 8) or 16 + 2 (p - 8) + i: the lanes of the widened pair p;
+ *   sc[2][32]  int8: sc[h][2 o + i] = output o's sub-scale of inputs 16 h .. 16 h + 15;
+ *   d[16], dm[16] float16; mn[16] uint8; 16 bytes of padding.
+ * Three ISA levels: plain C (`nls_kq_matmul_ref`, the reference twin the vector kernels are
+ * tested against, every build has it), AVX2 and AVX-512 VNNI (`nls_kq_matmul`, by the build's
+ * flags, as gguf_cpu.c picks its inner loop).
+ */
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "native.h"
+
+#define KQ_TAIL_BYTES 160 /* sc 64 + d 32 + dm 32 + mn 16 + padding 16 */
+
+int64_t nls_kq_tile_block_bytes(int bits) {
+    return bits < 4 || bits > 6 ? -1 : 256 + 64 * (bits - 4) + KQ_TAIL_BYTES;
+}
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* One row of `n` floats (n % 32 == 0) -> int16 codes, a scale and the exact float sum per
+ * block of 32: x ~= dx * qx, rounded to nearest even (gguf_cpu.c's quantize_row, in C). */
+static void kq_quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, float *sx) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            sum += xb[j];
+        }
+        const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int j = 0; j < QK; j++) qx[b * QK + j] = (int16_t)nearbyintf(xb[j] * id);
+        dx[b] = amax / 32767.0f;
+        sx[b] = sum;
+    }
+}
+
+/* ------------------------------------------------------------ the reference twin (C) -- */
+
+/* Output o's code for input j (0..31) of a tile-block, all its bits. */
+static inline int kq_code(const uint8_t *tb, int bits, int o, int j) {
+    const int half = j >= 16, jj = j - 16 * half, g = jj / 2, i = jj % 2;
+    const uint8_t byte = tb[32 * g + 2 * o + i];
+    int q = half ? byte >> 4 : byte & 15;
+    const int p = g + 8 * half;
+    for (int k = 0; k < bits - 4; k++) {
+        uint32_t word;
+        memcpy(&word, tb + 256 + 64 * k + 4 * p, sizeof word);
+        q |= (int)((word >> (2 * o + i)) & 1u) << (4 + k);
+    }
+    return q;
+}
+
+/* The same products as the vector kernels, one output and one row at a time. */
+int nls_kq_matmul_ref(int bits, int off, const uint8_t *w, int64_t out, int64_t in, const float *x,
+                      int64_t rows, float *y) {
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits);
+    if (tb_bytes < 0 || in <= 0 || in % QK || out < 0 || rows < 0) return NLS_BAD_SHAPE;
+    const int64_t nb = in / QK;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)in);
+    float *dx = malloc(sizeof(float) * (size_t)nb), *sx = malloc(sizeof(float) * (size_t)nb);
+    if (!xq || !dx || !sx) {
+        free(xq), free(dx), free(sx);
+        return NLS_NO_MEMORY;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        kq_quantize_row(x + r * in, in, xq, dx, sx);
+        for (int64_t o = 0; o < out; o++) {
+            const uint8_t *tile = w + (o / TILE) * nb * tb_bytes;
+            const int ot = (int)(o % TILE);
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
+                int32_t s = 0;
+                for (int j = 0; j < QK; j++) {
+                    const int sc = (int8_t)tail[32 * (j >= 16) + 2 * ot + (j & 1)];
+                    s += sc * (kq_code(tb, bits, ot, j) - off) * xq[b * QK + j];
+                }
+                const float d = half_to_float(tail + 64 + 2 * ot), dm = half_to_float(tail + 96 + 2 * ot);
+                acc += d * dx[b] * (float)s + dm * (float)tail[128 + ot] * sx[b];
+            }
+            y[r * out + o] = acc;
+        }
+    }
+    free(xq), free(dx), free(sx);
+    return 0;
+}
+
+/* ------------------------------------------------------------------- vector kernels -- */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* A tile-block's codes as 16 vectors of 32 int16 lanes (lane 2 o + i: output o, input i of
+ * pair p), the sub-scale multiplied in. */
+static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, int off, const uint8_t *tail,
+                                                           __m512i w[16]) {
+    const __m512i low = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16((int16_t)off);
+    const __m512i sc0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)tail));
+    const __m512i sc1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tail + 32)));
+    for (int g = 0; g < 8; g++) {
+        const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * g)));
+        w[g] = _mm512_and_si512(c, low);
+        w[g + 8] = _mm512_srli_epi16(c, 4);
+    }
+    for (int k = 0; k < bits - 4; k++) {
+        const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * k);
+        const __m512i bit = _mm512_set1_epi16((int16_t)(16 << k));
+        for (int p = 0; p < 16; p++) w[p] = _mm512_or_si512(w[p], _mm512_maskz_mov_epi16(hi[p], bit));
+    }
+    for (int p = 0; p < 16; p++) w[p] = _mm512_mullo_epi16(_mm512_sub_epi16(w[p], offset), p < 8 ? sc0 : sc1);
+}
+
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int off, int64_t in,
+                         const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
+    for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
+        _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
+        __m512i w[16];
+        kq_widen(tb, bits, off, tail, w);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 64)));
+        const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 96))),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + 128)))));
+        for (int64_t r = 0; r < rows; r++) {
+            const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+            for (int p = 0; p < 16; p += 2) {
+                a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
+                a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
+            }
+            const __m512 s = _mm512_add_ps(_mm512_cvtepi32_ps(a0), _mm512_cvtepi32_ps(a1));
+            __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), s, _mm512_loadu_ps(acc + 16 * r));
+            _mm512_storeu_ps(acc + 16 * r, _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), y));
+        }
+    }
+}
+#else
+/* AVX2: outputs 0..7 and 8..15 of pair p in w[p][0] and w[p][1] (lanes 2 o' + i). */
+static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, int off, const uint8_t *tail,
+                                                           __m256i w[16][2]) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i offset = _mm256_set1_epi16((int16_t)off);
+    const __m256i lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                                16384, (int16_t)0x8000);
+    for (int g = 0; g < 8; g++)
+        for (int h = 0; h < 2; h++) {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(tb + 32 * g + 16 * h));
+            w[g][h] = _mm256_cvtepu8_epi16(_mm_and_si128(c, low));
+            w[g + 8][h] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), low));
+        }
+    for (int k = 0; k < bits - 4; k++) {
+        const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * k);
+        const __m256i bit = _mm256_set1_epi16((int16_t)(16 << k));
+        for (int p = 0; p < 16; p++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i m = _mm256_set1_epi16((int16_t)(hi[p] >> (16 * h)));
+                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(m, lane_bits), lane_bits);
+                w[p][h] = _mm256_or_si256(w[p][h], _mm256_and_si256(set, bit));
+            }
+    }
+    for (int p = 0; p < 16; p++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tail + 32 * (p >= 8) + 16 * h)));
+            w[p][h] = _mm256_mullo_epi16(_mm256_sub_epi16(w[p][h], offset), sc);
+        }
+}
+
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int off, int64_t in,
+                         const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
+    memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
+        _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
+        __m256i w[16][2];
+        kq_widen(tb, bits, off, tail, w);
+        __m256 dw[2], mw[2];
+        for (int h = 0; h < 2; h++) {
+            dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 64 + 16 * h)));
+            mw[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 96 + 16 * h))),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 128 + 8 * h)))));
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
+            for (int h = 0; h < 2; h++) {
+                __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+                for (int p = 0; p < 16; p += 2) {
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w[p][h], _mm256_set1_epi32(xp[p])));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w[p + 1][h], _mm256_set1_epi32(xp[p + 1])));
+                }
+                const __m256 s = _mm256_add_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1));
+                float *a = acc + 16 * r + 8 * h;
+                __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(dw[h], _mm256_set1_ps(dx[r * nb + b])), s, _mm256_loadu_ps(a));
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(mw[h], _mm256_set1_ps(sx[r * nb + b]), y));
+            }
+        }
+    }
+}
+#endif
+
+static inline int64_t kq_round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
+
+static inline int64_t kq_activation_bytes(int64_t in, int64_t rows) {
+    return kq_round_up_64(rows * in * (int64_t)sizeof(int16_t) + 2 * rows * (in / QK) * (int64_t)sizeof(float));
+}
+
+/* Bytes of the workspace `nls_kq_matmul` needs for `rows` rows of `in` inputs on `num_threads`
+ * threads: the quantized rows, then each thread's accumulators on their own cache lines. */
+int64_t nls_kq_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads) {
+    return 64 + kq_activation_bytes(in, rows) + (int64_t)num_threads * kq_round_up_64(16 * rows * (int64_t)sizeof(float));
+}
+
+/* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..6, codes offset by `off`).
+ * Returns 0, or NLS_BAD_SHAPE for a bad size, kind or workspace. */
+int nls_kq_matmul(int bits, int off, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
+                  float *y, void *workspace, int64_t workspace_bytes, int num_threads) {
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits);
+    if (tb_bytes < 0 || off < 0 || off > 32 || in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 ||
+        workspace_bytes < nls_kq_matmul_workspace_bytes(in, rows, num_threads))
+        return NLS_BAD_SHAPE;
+    const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
+    uint8_t *base = (uint8_t *)(((uintptr_t)workspace + 63) / 64 * 64);
+    int16_t *xq = (int16_t *)base;
+    float *dx = (float *)(xq + rows * in), *sx = dx + rows * nb;
+    uint8_t *accs = base + kq_activation_bytes(in, rows);
+    const int64_t acc_bytes = kq_round_up_64(16 * rows * (int64_t)sizeof(float));
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) kq_quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
+        float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * acc_bytes);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
+            kq_tile_rows(w + t * nb * tb_bytes, nb, tb_bytes, bits, off, in, xq, dx, sx, rows, acc);
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
+        }
+    }
+    return 0;
+}

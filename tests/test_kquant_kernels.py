@@ -1,0 +1,118 @@
+"""Reference twins as oracles (issue 40): random block bytes of every K-quant and 5-bit type
+(valid: finite float16 scales), dequantized by the `gguf` package (the oracle), against
+
+- our reading of the blocks (model/gguf_kquants.py), which must be exact;
+- the native kernel of each ISA level this CPU runs (NANOLLMSERVE_CPU_ISA=avx2 / avx512, each
+  in its own process: the library is chosen once per process) and its plain-C twin, at
+  1, 5, 24, 48 and 64 rows, within the error the int16 activations allow: each activation is
+  off by at most half its block's step (max |x| / 32767 / 2), so an output is off by at most
+  sum |w| * step / 2, plus float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nanollmserve.model.gguf_kquants import KQUANT_TYPES, STORED, read_kquant_rows
+
+pytestmark = pytest.mark.milestone("m31")
+
+ROWS = (1, 5, 24, 48, 64)
+OUT, IN = 40, 512  # two and a half tiles; two 256-wide super-blocks
+HALF_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+"""Byte offsets of each type's float16 fields in a file block: random there, except finite."""
+
+
+def random_blocks(type_name: str, out: int, n: int, seed: int) -> np.ndarray:
+    """uint8 [out, bytes]: random block bytes whose float16 fields are finite."""
+    rng = np.random.default_rng(seed)
+    per_block, block_bytes = STORED[type_name]
+    raw = rng.integers(0, 256, size=(out, n // per_block, block_bytes), dtype=np.uint8)
+    for start in HALF_FIELDS[type_name]:
+        halves = (rng.standard_normal((out, n // per_block)) * 0.01).astype(np.float16)
+        raw[..., start : start + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def oracle(type_name: str, raw: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float64)
+
+
+@pytest.mark.parametrize("type_name", list(KQUANT_TYPES))
+def test_blocks_read_exactly_as_the_oracle_dequantizes_them(type_name: str) -> None:
+    raw = random_blocks(type_name, OUT, IN, seed=1)
+    rows = read_kquant_rows(type_name, raw, IN)
+    np.testing.assert_array_equal(rows.dequantize().astype(np.float64), oracle(type_name, raw))
+
+
+def kernel_errors() -> dict:
+    """Per type and row count: the worst error of the vector kernel and of the C twin, each
+    as a fraction of the int16 bound (<= 1 passes), and the worst vector/twin difference as a
+    fraction of sum |w x|. Runs in the process's own ISA level."""
+    from nanollmserve.native import ops
+
+    results = {}
+    for seed, type_name in enumerate(KQUANT_TYPES):
+        raw = random_blocks(type_name, OUT, IN, seed=10 + seed)
+        rows = read_kquant_rows(type_name, raw, IN)
+        tiles = torch.from_numpy(rows.tiled())
+        weights = oracle(type_name, raw)
+        for count in ROWS:
+            x = np.random.default_rng(count).standard_normal((count, IN)).astype(np.float32)
+            x[:, :32] *= 50  # blocks of very different scales
+            exact = x.astype(np.float64) @ weights.T
+            step = np.abs(x).reshape(count, -1, 32).max(-1) / 32767  # per activation block
+            half_step = np.repeat(step, 32, axis=1) / 2
+            magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
+            bound = half_step @ np.abs(weights).T + 2e-6 * magnitude + 1e-30
+            vec = ops.kquant_matmul(rows.bits, rows.off, tiles, OUT, torch.from_numpy(x)).numpy()
+            ref = ops.kquant_matmul(
+                rows.bits, rows.off, tiles, OUT, torch.from_numpy(x), reference=True
+            ).numpy()
+            results[f"{type_name}/{count}"] = {
+                "vector": float((np.abs(vec - exact) / bound).max()),
+                "reference": float((np.abs(ref - exact) / bound).max()),
+                "twins": float((np.abs(vec - ref) / (magnitude + 1e-30)).max()),
+            }
+    return results
+
+
+def isa_levels() -> list[str]:
+    flags = Path("/proc/cpuinfo").read_text()
+    levels = ["avx2"]
+    if all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
+        levels.append("avx512")
+    return levels
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("isa", isa_levels())
+def test_every_kernel_agrees_with_the_oracle(isa: str) -> None:
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_kquant_kernels as t; "
+        "print(json.dumps(t.kernel_errors()))"
+    )
+    env = {**os.environ, "NANOLLMSERVE_CPU_ISA": isa}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=540, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert len(results) == len(KQUANT_TYPES) * len(ROWS)
+    worst = {
+        key: value
+        for key, value in results.items()
+        if value["vector"] > 1 or value["reference"] > 1
+    }
+    assert not worst, worst
+    assert max(value["twins"] for value in results.values()) < 1e-5, results
