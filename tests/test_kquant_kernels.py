@@ -1,12 +1,14 @@
 """Reference twins as oracles (issue 40): random block bytes of every K-quant and 5-bit type
-(valid: finite float16 scales), dequantized by the `gguf` package (the oracle), against
+and of the legacy Q4_0, Q4_1, Q8_0 (valid: finite float16 scales), dequantized by the `gguf`
+package (the oracle), against
 
-- our reading of the blocks (model/gguf_kquants.py), which must be exact;
-- the native kernel of each ISA level this CPU runs (NANOLLMSERVE_CPU_ISA=avx2 / avx512, each
-  in its own process: the library is chosen once per process) and its plain-C twin, at
-  1, 5, 24, 48 and 64 rows, within the error the int16 activations allow: each activation is
-  off by at most half its block's step (max |x| / 32767 / 2), so an output is off by at most
-  sum |w| * step / 2, plus float32 rounding.
+- our reading of the blocks (model/gguf_kquants.py; model/gguf_blocks.py for the legacy
+  types), which must be exact;
+- the native kernels of each ISA level this CPU runs (NANOLLMSERVE_CPU_ISA=avx2 / avx512, each
+  in its own process: the library is chosen once per process), and the K-quant kernel's
+  plain-C twin, at 1, 5, 24, 48 and 64 rows, within the error the int16 activations allow:
+  each activation is off by at most half its block's step (max |x| / 32767 / 2), so an
+  output is off by at most sum |w| * step / 2, plus float32 rounding.
 """
 
 from __future__ import annotations
@@ -22,20 +24,24 @@ import numpy as np
 import pytest
 import torch
 
+from nanollmserve.model.gguf_blocks import _block_rows
 from nanollmserve.model.gguf_kquants import KQUANT_TYPES, STORED, read_kquant_rows
 
 pytestmark = pytest.mark.milestone("m31")
 
 ROWS = (1, 5, 24, 48, 64)
 OUT, IN = 40, 512  # two and a half tiles; two 256-wide super-blocks
-HALF_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+LEGACY = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+"""The types today's kernels (gguf_cpu.c) run -> (weights, bytes) per file block."""
+HALF_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}  # fmt: skip
 """Byte offsets of each type's float16 fields in a file block: random there, except finite."""
 
 
 def random_blocks(type_name: str, out: int, n: int, seed: int) -> np.ndarray:
     """uint8 [out, bytes]: random block bytes whose float16 fields are finite."""
     rng = np.random.default_rng(seed)
-    per_block, block_bytes = STORED[type_name]
+    per_block, block_bytes = {**STORED, **LEGACY}[type_name]
     raw = rng.integers(0, 256, size=(out, n // per_block, block_bytes), dtype=np.uint8)
     for start in HALF_FIELDS[type_name]:
         halves = (rng.standard_normal((out, n // per_block)) * 0.01).astype(np.float16)
@@ -54,6 +60,13 @@ def test_blocks_read_exactly_as_the_oracle_dequantizes_them(type_name: str) -> N
     np.testing.assert_array_equal(rows.dequantize().astype(np.float64), oracle(type_name, raw))
 
 
+@pytest.mark.parametrize("type_name", list(LEGACY))
+def test_legacy_blocks_read_exactly_as_the_oracle_dequantizes_them(type_name: str) -> None:
+    raw = random_blocks(type_name, OUT, IN, seed=2)
+    rows = _block_rows(raw, type_name)
+    np.testing.assert_array_equal(rows.dequantize().double().numpy(), oracle(type_name, raw))
+
+
 def kernel_errors() -> dict:
     """Per type and row count: the worst error of the vector kernel and of the C twin, each
     as a fraction of the int16 bound (<= 1 passes), and the worst vector/twin difference as a
@@ -61,11 +74,15 @@ def kernel_errors() -> dict:
     from nanollmserve.native import ops
 
     results = {}
-    for seed, type_name in enumerate(KQUANT_TYPES):
+    for seed, type_name in enumerate([*KQUANT_TYPES, *LEGACY]):
         raw = random_blocks(type_name, OUT, IN, seed=10 + seed)
-        rows = read_kquant_rows(type_name, raw, IN)
-        tiles = torch.from_numpy(rows.tiled())
         weights = oracle(type_name, raw)
+        if type_name in LEGACY:
+            legacy = _block_rows(raw, type_name)
+            tiles = legacy.tiled()
+        else:
+            rows = read_kquant_rows(type_name, raw, IN)
+            tiles = torch.from_numpy(rows.tiled())
         for count in ROWS:
             x = np.random.default_rng(count).standard_normal((count, IN)).astype(np.float32)
             x[:, :32] *= 50  # blocks of very different scales
@@ -74,10 +91,12 @@ def kernel_errors() -> dict:
             half_step = np.repeat(step, 32, axis=1) / 2
             magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
             bound = half_step @ np.abs(weights).T + 2e-6 * magnitude + 1e-30
-            vec = ops.kquant_matmul(rows.bits, rows.off, tiles, OUT, torch.from_numpy(x)).numpy()
-            ref = ops.kquant_matmul(
-                rows.bits, rows.off, tiles, OUT, torch.from_numpy(x), reference=True
-            ).numpy()
+            xt = torch.from_numpy(x)
+            if type_name in LEGACY:  # no C twin: the vector kernel stands for both
+                vec = ref = ops.gguf_matmul(legacy.kind, tiles, OUT, xt, None).numpy()
+            else:
+                vec = ops.kquant_matmul(rows.bits, rows.off, tiles, OUT, xt).numpy()
+                ref = ops.kquant_matmul(rows.bits, rows.off, tiles, OUT, xt, reference=True).numpy()
             results[f"{type_name}/{count}"] = {
                 "vector": float((np.abs(vec - exact) / bound).max()),
                 "reference": float((np.abs(ref - exact) / bound).max()),
@@ -108,7 +127,7 @@ def test_every_kernel_agrees_with_the_oracle(isa: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.splitlines()[-1])
-    assert len(results) == len(KQUANT_TYPES) * len(ROWS)
+    assert len(results) == (len(KQUANT_TYPES) + len(LEGACY)) * len(ROWS)
     worst = {
         key: value
         for key, value in results.items()
