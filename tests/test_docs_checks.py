@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nanollmserve.cli.main import build_parser
-from nanollmserve.cli.sizes import parse_size
+from nanollmserve.sizes import parse_size
 
 pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(120)]
 

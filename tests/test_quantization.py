@@ -9,10 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from nanollmserve import SamplingParams
+from nanollmserve import EngineConfig, SamplingParams
 from nanollmserve.errors import UserError
 from nanollmserve.layers.attention_context import AttentionContext, reset_context, set_context
-from nanollmserve.layers.quantization import Fp16Linear, Int8Linear, quantize_model
+from nanollmserve.layers.quantization import (
+    Fp16Linear,
+    Int8Linear,
+    WeightOnlyLinear,
+    quantize_model,
+)
+from nanollmserve.quantization_names import WEIGHT_ONLY_METHODS
 
 pytestmark = pytest.mark.milestone("m17")
 
@@ -80,6 +86,15 @@ def test_fp16_weights_compute_in_float32_and_answer_like_the_float32_model(make_
 def test_fp16_weights_refuse_another_activation_dtype(make_llm):
     with pytest.raises(UserError, match="computes in float32: use --dtype float32 or auto"):
         make_llm(dtype="bfloat16", quantization="fp16")
+
+
+@pytest.mark.milestone("m28")
+@pytest.mark.parametrize("method", WEIGHT_ONLY_METHODS)
+def test_every_weight_only_name_converts_a_model(method):
+    """The names `--quantization` accepts (a torch-free leaf) and the classes agree."""
+    model = quantize_model(nn.Sequential(nn.Linear(64, 32)), method)
+    assert isinstance(model[0], WeightOnlyLinear)
+    assert EngineConfig(quantization=method).quantization == method
 
 
 def test_quantize_model_rejects_unknown_methods():

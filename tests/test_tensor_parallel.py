@@ -13,7 +13,7 @@ from test_model_parity import TINY, make_tiny_hf_model
 from transformers import AutoTokenizer, LlamaConfig, Qwen3Config
 
 from nanollmserve import LLM, EngineConfig, SamplingParams
-from nanollmserve.distributed.tp_executor import check_tensor_parallel
+from nanollmserve.engine.tensor_parallel.executor import check_tensor_parallel
 from nanollmserve.errors import UserError
 from nanollmserve.model import ModelConfig, count_parameters, resolve_model
 

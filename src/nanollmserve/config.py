@@ -11,9 +11,10 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from nanollmserve.cli.sizes import parse_size
 from nanollmserve.errors import UserError
 from nanollmserve.pooler_config import PoolerConfig
+from nanollmserve.quantization_names import GGUF_METHOD, NO_QUANTIZATION, QUANTIZATION_METHODS
+from nanollmserve.sizes import parse_size
 from nanollmserve.speculative_config import SpeculativeConfig
 
 
@@ -123,15 +124,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.quantization is not None:
-            # Imported here: layers/ pulls in torch, and the CLI parses flags without it.
-            from nanollmserve.layers.quantization import QUANTIZATION_METHODS
-
-            if self.quantization not in (*QUANTIZATION_METHODS, "none"):
-                names = " or ".join((*QUANTIZATION_METHODS, "none"))
-                raise UserError(
-                    f"quantization must be {names} (or unset), got {self.quantization!r}"
-                )
+        if self.quantization not in (None, *QUANTIZATION_METHODS, NO_QUANTIZATION):
+            names = " or ".join((*QUANTIZATION_METHODS, NO_QUANTIZATION))
+            raise UserError(f"quantization must be {names} (or unset), got {self.quantization!r}")
         if not 0 <= self.step_record <= MAX_STEP_RECORD:
             raise UserError(
                 f"step_record must be in [0, {MAX_STEP_RECORD}], got {self.step_record}"
@@ -173,7 +168,7 @@ class EngineConfig:
             )
         if self.max_lora_rank < 1:
             raise UserError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.enable_lora and self.quantization not in (None, "none", "gguf"):
+        if self.enable_lora and self.quantization not in (None, NO_QUANTIZATION, GGUF_METHOD):
             raise UserError(
                 f"LoRA adapters with --quantization {self.quantization} are not supported "
                 "(they run on the GGUF blocks or on unquantized weights)"

@@ -15,8 +15,8 @@ import asyncio
 import logging
 import os
 
-from nanollmserve.cli.sizes import parse_size
 from nanollmserve.errors import UserError
+from nanollmserve.sizes import parse_size
 from nanollmserve.tracing.flags import add_tracing_args, tracer_from_args
 
 API_KEY_ENV = "NANOLLMSERVE_API_KEY"

@@ -29,10 +29,10 @@ import ssl
 import time
 
 from nanollmserve.cli.env_defaults import apply_env_defaults
-from nanollmserve.cli.sizes import parse_size
 from nanollmserve.config import add_engine_args, engine_config_from_args
 from nanollmserve.errors import UserError
 from nanollmserve.request_limits import add_limit_args, limits_from_args
+from nanollmserve.sizes import parse_size
 from nanollmserve.structured_output_limits import (
     add_structured_output_args,
     structured_output_limits_from_args,
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sleep_idle_seconds is not None and config.tensor_parallel_size > 1:
         raise UserError("--sleep-idle-seconds is not supported with tensor parallelism")
     if config.tensor_parallel_size > 1 and int(os.environ.get("RANK", 0)) > 0:
-        from nanollmserve.distributed.tp_worker import run_torchrun_worker
+        from nanollmserve.engine.tensor_parallel.worker import run_torchrun_worker
 
         run_torchrun_worker(config)  # a torchrun rank > 0 runs the model, serves nothing
         return 0

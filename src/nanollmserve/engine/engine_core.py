@@ -43,7 +43,7 @@ from nanollmserve.layers.kv_quant import (
 )
 
 if TYPE_CHECKING:
-    from nanollmserve.distributed.tp_executor import TensorParallelExecutor
+    from nanollmserve.engine.tensor_parallel.executor import TensorParallelExecutor
 
 __all__ = ["EngineCore", "EngineStats", "EngineStepResult", "StepStats"]
 
@@ -422,6 +422,6 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelExecutor | None
     process is rank 0), so the model built next is this rank's shard."""
     if config.tensor_parallel_size == 1:
         return None
-    from nanollmserve.distributed.tp_executor import TensorParallelExecutor
+    from nanollmserve.engine.tensor_parallel.executor import TensorParallelExecutor
 
     return TensorParallelExecutor(config)

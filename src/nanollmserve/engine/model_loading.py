@@ -13,11 +13,12 @@ from torch import nn
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.errors import UserError
-from nanollmserve.layers.quantization import COMPUTE_DTYPES, GGUF_METHOD, quantize_model
+from nanollmserve.layers.quantization import COMPUTE_DTYPES, quantize_model
 from nanollmserve.model.device import resolve_device, resolve_dtype
 from nanollmserve.model.loader import load_gguf_block_model, load_model
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.source import ModelSource, may_run_gguf_blocks, resolve_model
+from nanollmserve.quantization_names import GGUF_METHOD
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nanollmserve.layers.quantization import GGUF_METHOD
+from nanollmserve.quantization_names import GGUF_METHOD
 
 KV_CACHE_DTYPES = {
     "int8": torch.int8,

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanollmserve.quantization_names import GGUF_METHOD
+
 
 class WeightOnlyLinear(nn.Module):
     """A linear layer whose weight is kept in another format: [..., in] -> [..., out]."""
@@ -80,10 +82,7 @@ class Fp16Linear(WeightOnlyLinear):
 
 
 LINEAR_CLASSES = {"int8": Int8Linear, "fp16": Fp16Linear}
-QUANTIZATION_METHODS = (*LINEAR_CLASSES, "gguf")
-GGUF_METHOD = "gguf"
-"""Runs a GGUF file's own blocks: the loader applies it (`gguf_linear.apply_gguf_blocks`)."""
-COMPUTE_DTYPES = {"fp16": torch.float32, "gguf": torch.float32}
+COMPUTE_DTYPES = {"fp16": torch.float32, GGUF_METHOD: torch.float32}
 """Methods whose kernels take one activation dtype only (the others use the model's)."""
 
 

