@@ -5,7 +5,8 @@ that is done, a history entry for every commit since the marker in histories/che
 docs/ (bench/provenance.py) but the older ones listed in docs/assets/bench/without-provenance.txt,
 no checked milestone box whose own text says it "no longer" holds or is "not met", and no
 feature page saying two features do not run together where the compatibility matrix
-(scripts/compat_matrix.py) says they work.
+(scripts/compat_matrix.py) says they work, and the performance table of README.md and
+docs/index.md as scripts/perf_glance.py generates it.
 
 Run by `make check` (scripts/check) and by tests/test_harness.py, tests/test_docs_checks.py.
 Standard library only (and `git`, when the repository's history is there: without it, or in
@@ -530,6 +531,18 @@ def check_refusal_wording(errors: list[str]) -> None:
                 errors.append(f"{page}:{number}: {message}")
 
 
+def check_perf_glance(errors: list[str]) -> None:
+    """The performance table of README.md and docs/index.md is the one scripts/perf_glance.py
+    generates from the benchmark JSON's provenance."""
+    script = ROOT / "scripts" / "perf_glance.py"
+    if not script.is_file():
+        return
+    spec = importlib.util.spec_from_file_location("perf_glance", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    errors.extend(module.problems(ROOT))
+
+
 CHECKED_BOX_RE = re.compile(r"^- \[[xX]\] ")
 RETRACTED_RE = re.compile(r"\b(no longer|not met)\b", re.I)
 
@@ -577,6 +590,7 @@ def main(argv: list[str]) -> int:
     check_compat_matrix(errors)
     check_refusal_wording(errors)
     check_retracted_boxes(errors, milestones)
+    check_perf_glance(errors)
     for error in errors:
         print(f"check_docs: {error}")
     if errors:
