@@ -45,7 +45,7 @@ async def kv_transfer_result(ctx, params: SamplingParams, output, model: str):
     transfer = params.kv_transfer_params
     if transfer is None or not transfer.do_remote_decode:
         return None
-    lora_name = None if model in ctx.model_names else model
+    lora_name = ctx.lora_name_of(model)
     result = await ctx.engine.hand_off_kv(output, params, lora_name)
     if result is None:
         return None

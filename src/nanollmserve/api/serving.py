@@ -29,6 +29,9 @@ from nanollmserve.outputs import RequestOutput
 from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
 
+ANY_MODEL_NAME = "*"
+"""`--served-model-name '*'`: accept any model name."""
+
 
 @dataclass
 class ServerSettings:
@@ -96,7 +99,11 @@ class ServerContext:
             settings.limits, dict(settings.generation_defaults), engine.max_num_seqs
         )
         engine.default_chat_template_kwargs = dict(settings.default_chat_template_kwargs)
-        self.model_names = settings.served_model_names or [engine.model_name]
+        names = [name for name in settings.served_model_names if name != ANY_MODEL_NAME]
+        self.any_model_name = len(names) < len(settings.served_model_names)
+        """`--served-model-name '*'`: any `model` is accepted (llama.cpp's way); the
+        model's own names are still the reported ones."""
+        self.model_names = names or [engine.model_name]
         self.responses = ResponseStore(
             settings.response_store_size, settings.response_store_max_bytes
         )
@@ -111,11 +118,22 @@ class ServerContext:
 
     def check_model(self, model: str | None) -> str:
         """The name to report for a request's `model` (404 if it is not served here): a
-        served name of the base model or a loaded LoRA adapter's name."""
+        served name of the base model or a loaded LoRA adapter's name; with
+        `--served-model-name '*'` any other name too (the base model runs it)."""
         if model is None or model == "":
             return self.model_name
-        if model not in self.model_names and model not in self.engine.lora_adapters():
+        known = model in self.model_names or model in self.engine.lora_adapters()
+        if not known and not self.any_model_name:
             raise not_found(f"The model `{model}` does not exist.", "model_not_found", "model")
+        return model
+
+    def lora_name_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a checked `model` runs with (None: the base model, which also
+        runs any other name under `--served-model-name '*'`)."""
+        if model in self.model_names:
+            return None
+        if self.any_model_name and model not in self.engine.lora_adapters():
+            return None
         return model
 
     def make_params(self, to_params: Callable[[], SamplingParams], aliases=None) -> SamplingParams:
@@ -153,7 +171,7 @@ class ServerContext:
             client_request_id=client_request_id, request_id_param=REQUEST_ID_HEADER
         )
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        lora_name = None if model in self.model_names else model
+        lora_name = self.lora_name_of(model)
         streams = await admit(
             self.engine,
             prompts,

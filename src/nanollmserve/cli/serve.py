@@ -60,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="name(s) clients use in `model` (default: the model's name)",
+        help="name(s) clients use in `model` (default: the model's name); '*' among them "
+        "accepts any name, as llama.cpp's server does (the base model runs it)",
     )
     group.add_argument(
         "--lora-modules",
