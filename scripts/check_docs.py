@@ -543,6 +543,69 @@ def check_perf_glance(errors: list[str]) -> None:
     errors.extend(module.problems(ROOT))
 
 
+HEADLINE_PAGES = ("README.md", "docs/index.md", "docs/features")
+"""Where a bold ratio (`**1.28x**`) is a headline number: README, the docs home and the
+feature pages (docs/benchmarks.md is the record they quote, with its own sections)."""
+BOLD_RATIO_RE = re.compile(r"\*\*\d+(?:\.\d+)?x\*\*")
+HEADLINE_NEEDS = {
+    "a commit": re.compile(r"\b[0-9a-f]{7,40}\b"),
+    "a CPU": re.compile(r"EPYC|Xeon|Intel|AMD|Arm|Apple"),
+    "the kernels it ran": re.compile(
+        r"\b(?:avx2|avx512|amx)\b|AVX2|AVX-512|AMX|native kernels|int4 kernels|dense", re.I
+    ),
+}
+PEER_RE = re.compile(r"llama\.cpp|llama-server", re.I)
+PEER_FLAGS_RE = re.compile(r"AMX off|GGML_|build flags|AVX2-only", re.I)
+
+
+def headline_problems(text: str) -> list[tuple[int, str]]:
+    """(line, message) for each paragraph (or list item) with a bold ratio that does not name
+    the commit, the CPU and the kernels it was measured with, and, when it compares with
+    llama.cpp, the peer's build flags."""
+    found = []
+    for number, unit in _paragraphs(text):
+        if not BOLD_RATIO_RE.search(unit):
+            continue
+        missing = [what for what, pattern in HEADLINE_NEEDS.items() if not pattern.search(unit)]
+        if PEER_RE.search(unit) and not PEER_FLAGS_RE.search(unit):
+            missing.append("the llama.cpp peer's build flags")
+        if missing:
+            found.append((number, f"a headline number without {', '.join(missing)}: {unit[:90]!r}"))
+    return found
+
+
+def _paragraphs(text: str) -> list[tuple[int, str]]:
+    """(first line, text) of each paragraph or list item outside code blocks and tables."""
+    units: list[tuple[int, str]] = []
+    current: list[str] = []
+    start, in_code = 0, False
+    for number, line in enumerate([*text.splitlines(), ""], 1):
+        stripped = line.strip()
+        if stripped.startswith(("```", "~~~")):
+            in_code = not in_code
+        starts_item = re.match(r"^([-*+]|\d+\.)\s", stripped)
+        if in_code or not stripped or stripped.startswith(("|", "#", "```")) or starts_item:
+            if current:
+                units.append((start, " ".join(current)))
+                current = []
+            if in_code or not stripped or stripped.startswith(("|", "#", "```")):
+                continue
+        if not current:
+            start = number
+        current.append(stripped)
+    return units
+
+
+def check_headline_numbers(errors: list[str]) -> None:
+    for name in HEADLINE_PAGES:
+        path = ROOT / name
+        pages = sorted(path.glob("*.md")) if path.is_dir() else [path]
+        for page in pages:
+            if page.is_file():
+                for number, message in headline_problems(page.read_text()):
+                    errors.append(f"{rel(page)}:{number}: {message}")
+
+
 CHECKED_BOX_RE = re.compile(r"^- \[[xX]\] ")
 RETRACTED_RE = re.compile(r"\b(no longer|not met)\b", re.I)
 
@@ -591,6 +654,7 @@ def main(argv: list[str]) -> int:
     check_refusal_wording(errors)
     check_retracted_boxes(errors, milestones)
     check_perf_glance(errors)
+    check_headline_numbers(errors)
     for error in errors:
         print(f"check_docs: {error}")
     if errors:

@@ -84,3 +84,21 @@ def test_the_repository_passes_both_checks() -> None:
         if "checked box" in line or "run together" in line
     ]
     assert problems == []
+
+
+def test_a_headline_number_names_its_commit_cpu_kernels_and_peer_flags() -> None:
+    """Issue 42: a headline ratio names the CPU, the ISA level (the kernels it ran), the
+    commit and, against llama.cpp, the peer's build flags."""
+    old_lora = (
+        "From Benchmarks: LoRA (`nanollmserve bench lora --rounds 3`,\n"
+        "git 901bc66, a loaded 2-core CPU): mixed adapters ran at **0.737x** the base model.\n"
+    )
+    (found,) = check_docs.headline_problems(old_lora)
+    assert found[0] == 1 and "without a CPU, the kernels it ran" in found[1]
+    peer = "- **4.60x** llama-server's output tok/s (git 50e60fa, Intel Xeon, the `amx` build)\n"
+    (found,) = check_docs.headline_problems(peer)
+    assert "the llama.cpp peer's build flags" in found[1]
+    complete = peer.replace("build)", "build; llama-server built with AMX off)")
+    assert check_docs.headline_problems(complete) == []
+    table_row = "| c32 | **4.60x** |\n"  # tables are the generated or recorded ones
+    assert check_docs.headline_problems(table_row) == []
