@@ -213,6 +213,8 @@ def test_generation_defaults_apply_to_unset_fields_only(generation_dir):
     from nanollmserve.api.protocol_completions import CompletionRequest
     from nanollmserve.api.serving import ServerContext, ServerSettings
     from nanollmserve.api.simple_api import GenerateRequest
+    from nanollmserve.frontend.admission import Admission
+    from nanollmserve.frontend.request_policy import RequestPolicy
     from nanollmserve.generation_config import describe, load_generation_defaults
 
     defaults = load_generation_defaults(str(generation_dir))
@@ -220,8 +222,9 @@ def test_generation_defaults_apply_to_unset_fields_only(generation_dir):
     assert load_generation_defaults("vllm", generation_dir) == {}
     assert load_generation_defaults("auto", generation_dir) == GENERATION_DEFAULTS
     assert describe({}) == "none"
-    engine = SimpleNamespace(model_name="m", max_num_seqs=8)
-    ctx = ServerContext(engine, ServerSettings(generation_defaults=defaults))
+    policy = RequestPolicy(generation_defaults=defaults, max_num_seqs=8)
+    engine = SimpleNamespace(model_name="m", admission=Admission(policy, input_processor=None))
+    ctx = ServerContext(engine, ServerSettings())
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     params = ctx.make_params(body.to_sampling_params)

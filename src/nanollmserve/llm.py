@@ -2,7 +2,11 @@
 
 It drives the same EngineDriver as the server's engine thread, synchronously: add every
 request, step the engine until all are done, return the outputs (FINAL_ONLY: one per
-request) in prompt order. `LLM.chat` applies the model's chat template first.
+request) in prompt order. `LLM.chat` applies the model's chat template first. Each prompt is
+one request, admitted as the server admits one (`frontend/admission.py`): the same request
+policy and limits (`request_limits`, the defaults of `nanollmserve serve`'s `--max-*`
+flags unless given) and the same model limits, so a request the server refuses with a 400
+raises the same `ParamError` (a ValueError) here.
 """
 
 from __future__ import annotations
@@ -15,18 +19,29 @@ from tqdm import tqdm
 
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.engine_core import EngineCore
+from nanollmserve.frontend.admission import Admission, AdmittedRequest
 from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.input_processor import InputProcessor
+from nanollmserve.frontend.request_policy import RequestPolicy
 from nanollmserve.frontend.tokenizer import chat_prompt_token_ids, load_tokenizer
 from nanollmserve.lora_request import LoRARequest
 from nanollmserve.outputs import OutputKind, RequestOutput
+from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        request_limits: RequestLimits | None = None,
+        **engine_args,
+    ) -> None:
+        """`engine_args`: EngineConfig fields. `request_limits`: the bounds on one request
+        (`nanollmserve serve`'s `--max-*` flags; default: their defaults)."""
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.loaded.model_dir)
@@ -38,6 +53,10 @@ class LLM:
             scheduling_policy=self.config.scheduling_policy,
             pooling=self.config.runner == "pooling",
             max_client_priority=self.config.max_client_priority,
+        )
+        policy = RequestPolicy(request_limits or RequestLimits())
+        self.admission = Admission(
+            policy.for_model(None, self.config.max_num_seqs), self.input_processor
         )
         self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
@@ -167,22 +186,26 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(tokenized))
         lora_names = lora_names or [None] * len(tokenized)
         order: dict[str, int] = {}
-        staged = []
+        staged: list[AdmittedRequest] = []
         for (prompt, token_ids), params, lora_name in zip(
             tokenized, params_list, lora_names, strict=True
         ):
             request_id = str(next(self._request_counter))
-            children = self.input_processor.make_requests(
-                request_id, token_ids, params, lora_name=lora_name
-            )
-            staged.append((request_id, prompt, token_ids, params, children))
-        # Everything validated: now admit, so a bad prompt never leaves others half-run.
-        try:
-            for request_id, prompt, token_ids, params, children in staged:
-                self.driver.add_request(
-                    request_id, prompt, token_ids, children, params, OutputKind.FINAL_ONLY
+            staged.append(
+                self.admission.admit(
+                    request_id,
+                    prompt,
+                    token_ids,
+                    params,
+                    output_kind=OutputKind.FINAL_ONLY,
+                    lora_name=lora_name,
                 )
-                order[request_id] = len(order)
+            )
+        # Everything admitted: now run, so a bad prompt never leaves others half-run.
+        try:
+            for request in staged:
+                self.driver.add_request(request)
+                order[request.request_id] = len(order)
         except BaseException:
             self._abort(order)
             raise

@@ -238,8 +238,8 @@ def _admit(llm, step: int, arrival: dict) -> None:
     """Add a recorded arrival as the server admits a request: its parameters, its prompt and
     its constraint pass the same checks (a RecordError naming it otherwise)."""
     try:
-        request = _core_request(llm, arrival)
-        llm.engine.add_request(request)
+        for request in _admitted(llm, arrival).children:
+            llm.engine.add_request(request)
     except (ParamError, ValueError, TypeError, KeyError) as exc:
         raise RecordError(
             f"request {arrival['request_id']!r} of step {step} would not be admitted: "
@@ -247,30 +247,28 @@ def _admit(llm, step: int, arrival: dict) -> None:
         ) from None
 
 
-def _core_request(llm, arrival: dict):
-    from nanollmserve.engine.messages import EngineCoreRequest
-    from nanollmserve.request_limits import RequestLimits
+def _admitted(llm, arrival: dict):
+    """The recorded arrival (one engine request: a child `id#i` of an `n` request is
+    recorded as its own) through the offline LLM's admission, the server's checks with
+    `nanollmserve serve`'s default limits; its one child keeps the recorded id."""
     from nanollmserve.structured_output_limits import StructuredOutputLimits
 
     params = sampling_params_from_json(arrival["sampling_params"])
     if arrival.get("cache_salt_hash") is not None:  # the salt's keyed hash: the same sharing
         params.cache_salt = arrival["cache_salt_hash"]
-    processor = llm.input_processor
-    _, prompt_token_ids = processor.tokenize(arrival["prompt_token_ids"])
-    processor.validate(prompt_token_ids, params)
-    RequestLimits().check_params(params)  # the serve defaults: stop strings, logit bias...
+    _, prompt_token_ids = llm.input_processor.tokenize(arrival["prompt_token_ids"])
     if params.structured_outputs is not None:
         StructuredOutputLimits().check(params.structured_outputs)
     arrival_time = arrival["arrival_time"]
     if not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool):
         raise ValueError(f"arrival_time must be a number, got {str(arrival_time)[:40]!r}")
-    return EngineCoreRequest(
-        request_id=arrival["request_id"],
-        prompt_token_ids=prompt_token_ids,
-        sampling_params=params,
-        arrival_time=arrival_time,
+    return llm.admission.admit(
+        arrival["request_id"],
+        None,
+        prompt_token_ids,
+        params,
         lora_name=arrival["lora_name"],
-        grammar=processor.compile_grammar(params),
+        arrival_time=arrival_time,
     )
 
 

@@ -57,16 +57,14 @@ async def admit(
     request_ids = (
         [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     )
-    limits = engine.request_policy.limits
+    admission = engine.admission
     engine.refuse_if_full(len(prompts) * params.n)  # a full server does no work: a 503 first
     tokenized: list[TokenizedPrompt] = []
     for prompt in prompts:
         text, token_ids = await engine.tokenize(prompt)
-        if len(token_ids) >= engine.max_model_len:  # one prompt too long: the context error
-            engine.input_processor.validate(token_ids, params)
         tokenized.append(TokenizedPrompt(text, token_ids))
-        lengths = [len(p.token_ids) for p in tokenized]
-        limits.check_prompts(lengths, params, engine.max_model_len, prompt_logprobs_copies)
+        token_id_lists = [p.token_ids for p in tokenized]
+        admission.check_prompts(token_id_lists, params, prompt_logprobs_copies)
     # Before adding: a request may end before its add returns (an embedding takes one step).
     record_admission(request_ids, params, model or lora_name or engine.model_name, request_id)
     streams: list[RequestStream] = []

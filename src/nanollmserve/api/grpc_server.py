@@ -5,8 +5,9 @@ Health over the same AsyncEngine as the HTTP server.
 the engine exists) runs a `grpc.aio` server on the current event loop, the one uvicorn
 serves on, because the engine hands outputs to asyncio queues bound to the loop that
 created them. Like the HTTP routes, the servicer only converts: proto messages in,
-`SamplingParams`, then the engine's request policy (the limits and generation defaults HTTP
-requests are held to: the same refusals, INVALID_ARGUMENT here), then the admission and
+`SamplingParams`, then the engine's admission (`frontend/admission.py`: the request policy
+the engine was built with, the limits and generation defaults HTTP requests and the offline
+`LLM` are held to: the same refusals, INVALID_ARGUMENT here), then the admission and
 collection layer the HTTP routes use too (`generation.py`), proto messages out. With the
 server's `--reasoning-parser`, a chat (`messages`) is split as on HTTP chat: the thinking in
 `reasoning_content`, the answer in `text`, and a grammar applies after the thinking
@@ -266,7 +267,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _params(self, message: pb.SamplingParams) -> SamplingParams:
         """The call's SamplingParams through the engine's request policy (defaults, limits),
         before any work."""
-        return self.engine.request_policy.apply(
+        return self.engine.admission.check_params(
             sampling_params(message), unset_sampling_fields(message)
         )
 
@@ -276,7 +277,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """The admitted request, and the reasoning plan of a chat (None: no splitting)."""
         if bool(request.prompt) == bool(request.messages):
             raise ParamError("give exactly one of prompt and messages", "prompt")
-        limits = self.engine.request_policy.limits
+        limits = self.engine.admission.limits
         limits.check_fields(client_request_id=request.request_id or None)
         params = self._params(request.sampling)
         if request.messages:

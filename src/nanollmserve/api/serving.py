@@ -2,9 +2,10 @@
 checks, admitting requests and waiting for their final outputs while watching for a client
 disconnect (on top of `generation.py`, which the gRPC service shares), and usage.
 
-The request limits and generation defaults are the engine's `RequestPolicy` (the context
-installs the settings' ones there), so the gRPC service on the same engine is held to them
-too; `make_params` applies it early, with the HTTP names of the fields in its 400s.
+The request limits and generation defaults are the engine's `RequestPolicy`, given to the
+AsyncEngine when it is built (`cli/serve.py`), so the gRPC service and the offline `LLM` are
+held to the same ones; `make_params` applies it early (`Admission.check_params`), with the
+HTTP names of the fields in its 400s.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from nanollmserve.api.response_store import DEFAULT_MAX_BYTES, ResponseStore
 from nanollmserve.body_limit import MAX_REQUEST_BYTES
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import AsyncEngine, OutputKind, RequestStream
-from nanollmserve.frontend.request_policy import RequestPolicy
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
@@ -50,21 +50,12 @@ class ServerSettings:
     """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""
     response_store_max_bytes: int = DEFAULT_MAX_BYTES
     """The bytes those responses may hold in all (`--responses-store-max-bytes`)."""
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    """Bounds on one request (`n`, logprobs, stop strings, logit_bias, messages, tools, ...);
-    400 beyond. Installed in the engine's RequestPolicy, so gRPC gets them too."""
-    generation_defaults: dict = field(default_factory=dict)
-    """Sampling defaults (`--generation-config`: temperature, top_p, ...) for the OpenAI
-    requests (completions, chat, responses) and gRPC calls that leave the field unset."""
     tool_call_parser: str | None = None
     """The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice --tool-call-parser`);
     None: "auto" with tools is a 400."""
     reasoning_parser: str | None = None
     """`--reasoning-parser`: a reasoning model's thinking goes to `reasoning_content` (chat)
     and a `reasoning` item (responses); None: it stays in the text."""
-    default_chat_template_kwargs: dict = field(default_factory=dict)
-    """`--default-chat-template-kwargs`: template variables of every chat that does not set
-    them (installed in the engine, so gRPC chats get them too)."""
     log_requests: bool = False
     """Log one line per ended request (`nanollmserve serve` turns it on)."""
     log_prompts: bool = False
@@ -88,17 +79,12 @@ class ServerSettings:
 
 
 class ServerContext:
-    """The engine and settings the routes serve from (one per app). It makes the settings'
-    limits and generation defaults the engine's request policy, which every frontend on
-    that engine (the gRPC service too) goes through."""
+    """The engine and settings the routes serve from (one per app). The request limits and
+    generation defaults are the engine's (`engine.request_policy`), never set here."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        engine.request_policy = RequestPolicy(
-            settings.limits, dict(settings.generation_defaults), engine.max_num_seqs
-        )
-        engine.default_chat_template_kwargs = dict(settings.default_chat_template_kwargs)
         names = [name for name in settings.served_model_names if name != ANY_MODEL_NAME]
         self.any_model_name = len(names) < len(settings.served_model_names)
         """`--served-model-name '*'`: any `model` is accepted (llama.cpp's way); the
@@ -146,7 +132,7 @@ class ServerContext:
         try:
             params = to_params()
             unset = _unset_fields(getattr(to_params, "__self__", None))
-            return self.engine.request_policy.apply(params, unset)
+            return self.engine.admission.check_params(params, unset)
         except ParamError as exc:
             raise from_param_error(exc, aliases) from None
 

@@ -366,6 +366,7 @@ def _start_native_build(args: argparse.Namespace) -> None:
 
 async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int:
     from nanollmserve.frontend.async_engine import AsyncEngine
+    from nanollmserve.frontend.request_policy import RequestPolicy
 
     grpc_server = grpc_port = None
     if args.grpc_port is not None:
@@ -383,6 +384,12 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
             chat_template=chat_template,
             structured_output_limits=structured_output_limits_from_args(args),
             sleep_idle_seconds=args.sleep_idle_seconds,
+            # The limits and generation defaults of every frontend (HTTP, gRPC): the
+            # engine's from the start, completed with the model's generation_config.json.
+            request_policy=RequestPolicy(
+                limits_from_args(args), generation_config=args.generation_config
+            ),
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
         ),
     )
     # The server's modules (FastAPI, pydantic, uvicorn: about 0.4 s) import while the engine
@@ -390,7 +397,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     import uvicorn
 
     from nanollmserve.api import ServerSettings, create_app
-    from nanollmserve.generation_config import describe, load_generation_defaults
+    from nanollmserve.generation_config import describe
     from nanollmserve.metrics import StatsLogger
 
     engine = await building
@@ -400,11 +407,10 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     except UserError:
         await engine.shutdown()
         raise
-    generation_defaults = load_generation_defaults(args.generation_config, engine.info.model_dir)
     logger.info(
         "generation defaults (--generation-config %s): %s",
         args.generation_config,
-        describe(generation_defaults),
+        describe(dict(engine.request_policy.generation_defaults)),
     )
     settings = ServerSettings(
         served_model_names=args.served_model_name or [],
@@ -412,11 +418,8 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         admin_api_key=args.admin_api_key,
         metrics_require_auth=args.metrics_require_auth,
         response_store_max_bytes=args.responses_store_max_bytes,
-        limits=limits_from_args(args),
-        generation_defaults=generation_defaults,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
-        default_chat_template_kwargs=args.default_chat_template_kwargs,
         log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,
         allowed_origins=args.cors["allowed_origins"],

@@ -120,7 +120,10 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, core_request: EngineCoreRequest) -> None:
-        """Admit a request, or raise ValueError if it can never run."""
+        """Take a request, or raise ValueError if it cannot run. A request's user-facing
+        checks are the frontend's (`frontend/admission.py`, whose messages clients see);
+        what is left here is the engine's own state (asleep, an id already running) and
+        invariants a caller that skipped admission would trip."""
         if self.sleep_level is not None:
             raise ValueError("the engine is asleep: wake it up first")
         if core_request.request_id in self.scheduler.requests:

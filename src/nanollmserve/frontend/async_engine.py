@@ -4,7 +4,9 @@ The server's event loop never runs the model, nor the tokenizer: an EngineLoop t
 (`engine_loop.py`) owns the EngineCore and hands each request's outputs to its RequestStream,
 and tokenization and chat templating run on one worker thread (`asyncio.to_thread`-style, a
 single-thread executor, as the tokenizer is not made for concurrent calls), so a multi-MB
-prompt never stalls `/health` or other streams. This side validates and admits requests.
+prompt never stalls `/health` or other streams. This side admits requests, through its
+`Admission` (`admission.py`: the `RequestPolicy` given to the constructor, the limits, the
+model's limits), and hands each on to the engine loop as one `AdmittedRequest`.
 
     engine = AsyncEngine(EngineConfig(dtype="float32"))
     async for output in engine.generate("Hello", SamplingParams(max_tokens=8)):
@@ -41,6 +43,7 @@ from typing import TypeVar
 from nanollmserve.config import EngineConfig
 from nanollmserve.engine.engine_core import EngineCore
 from nanollmserve.errors import ParamError, UserError
+from nanollmserve.frontend.admission import Admission
 from nanollmserve.frontend.engine_loop import (
     EngineDeadError,
     EngineLoop,
@@ -172,7 +175,13 @@ class AsyncEngine:
         engine: EngineCore | None = None,
         structured_output_limits: StructuredOutputLimits | None = None,
         sleep_idle_seconds: float | None = None,
+        request_policy: RequestPolicy | None = None,
+        default_chat_template_kwargs: dict | None = None,
     ) -> None:
+        """`request_policy`: the limits and generation defaults every request is held to,
+        whatever its frontend (built from the serve settings; completed for the model once
+        it is loaded, `RequestPolicy.for_model`). `default_chat_template_kwargs`: template
+        variables of every chat that does not set them (`--default-chat-template-kwargs`)."""
         self.config = config
         self.engine_loop = EngineLoop(lambda: engine or EngineCore(config), sleep_idle_seconds)
         core = self.engine_loop.engine
@@ -197,9 +206,7 @@ class AsyncEngine:
         )
         self.tokenizer = self.engine_loop.tokenizer
         self.chat_template = chat_template
-        self.default_chat_template_kwargs: dict = {}
-        """Template variables of every chat that does not set them itself
-        (`--default-chat-template-kwargs`)."""
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self.max_model_len = self.info.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_queue_len = max_queue_len
@@ -221,13 +228,23 @@ class AsyncEngine:
         self._admission_lock = threading.Lock()
         self._num_tokenizer_jobs = 0  # queued or running on the tokenizer thread
         self._num_seqs_preparing = 0  # admitted, being tokenized / compiled
-        self.request_policy = RequestPolicy(max_num_seqs=config.max_num_seqs)
-        """Limits and generation defaults every request is held to, whatever its frontend;
-        the HTTP server sets it from its settings (`ServerContext`)."""
+        try:
+            policy = (request_policy or RequestPolicy()).for_model(
+                self.info.model_dir, config.max_num_seqs
+            )
+        except UserError:
+            self.engine_loop.stop()
+            raise
+        self.admission = Admission(policy, self.input_processor)
         self._ids = itertools.count()
         self._accepting = True
 
     # -- what the API layer reads ---------------------------------------------------------------
+    @property
+    def request_policy(self) -> RequestPolicy:
+        """Limits and generation defaults every request is held to, whatever its frontend."""
+        return self.admission.policy
+
     @property
     def model_name(self) -> str:
         return self.info.model_name
@@ -316,7 +333,7 @@ class AsyncEngine:
         (its output's `embedding`), which only a pooling engine takes, and it takes no other."""
         self._check_accepting()
         self._check_runner(pooling)
-        params = self.request_policy.apply(params)  # every frontend's requests, before work
+        params = self.admission.check_params(params)  # every frontend's requests, before work
         self._check_kv_transfer(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if lora_name is not None and lora_name not in self.lora_adapters():
@@ -329,15 +346,19 @@ class AsyncEngine:
             grammar = None
             if grammar_params is not None:
                 grammar = await self.grammar_pool.compile(grammar_params)
-            children = self.input_processor.make_requests(
-                request_id, token_ids, params, lora_name=lora_name, grammar=grammar
+            admitted = self.admission.admit_checked(
+                request_id,
+                prompt_text,
+                token_ids,
+                params,
+                output_kind=output_kind,
+                lora_name=lora_name,
+                grammar=grammar,
             )
             self._check_accepting()  # it may have stopped while the prompt was prepared
-            stream = RequestStream(self, request_id, len(children))
+            stream = RequestStream(self, request_id, admitted.num_seqs)
         capacity = self.max_num_seqs + self.max_queue_len
-        self.engine_loop.add(
-            stream, children, prompt_text, token_ids, params, output_kind, capacity=capacity
-        )
+        self.engine_loop.add(stream, admitted, capacity=capacity)
         return stream
 
     async def generate(
@@ -506,9 +527,10 @@ class AsyncEngine:
             self._num_tokenizer_jobs -= 1
 
     def _prepare(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check the prompt against the model's limits."""
+        """Tokenize and check the prompt against the model's limits (before a grammar
+        compiles for it)."""
         prompt_text, token_ids = self.input_processor.tokenize(prompt)
-        self.input_processor.validate(token_ids, params)
+        self.admission.check_prompt(token_ids, params)
         return prompt_text, token_ids
 
     def _chat_token_ids(

@@ -8,7 +8,7 @@ aborts whole requests. It is not thread-safe: one thread drives it (the caller's
 `LLM`, the engine thread for the server).
 
     driver = EngineDriver(EngineCore(config), tokenizer)
-    driver.add_request("r1", "Hi", prompt_token_ids, children, params, OutputKind.DELTA)
+    driver.add_request(admission.admit("r1", "Hi", prompt_token_ids, params))
     while driver.has_unfinished_requests():
         for output in driver.step().outputs:
             ...
@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanollmserve.engine.engine_core import EngineCore
-from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.errors import ParamError
+from nanollmserve.frontend.admission import AdmittedRequest
 from nanollmserve.frontend.output_processor import AbortedRequest, OutputProcessor
-from nanollmserve.outputs import OutputKind, RequestOutput
-from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.outputs import RequestOutput
 
 
 @dataclass
@@ -44,30 +43,15 @@ class EngineDriver:
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        children: list[EngineCoreRequest],
-        params: SamplingParams,
-        output_kind: OutputKind,
-    ) -> None:
-        """Admit the `n` child requests of one request; raises ValueError (and runs none of
-        them) if the id is taken or the engine refuses one."""
+    def add_request(self, request: AdmittedRequest) -> None:
+        """Run the `n` child requests of an admitted request; raises ValueError (and runs
+        none of them) if its id is taken or the engine refuses one (it is asleep)."""
+        request_id = request.request_id
         if self.output_processor.has_request(request_id):
             raise ParamError(f"request id {request_id!r} is already running", "request_id")
-        self.output_processor.add_request(
-            request_id,
-            prompt,
-            prompt_token_ids,
-            [c.request_id for c in children],
-            params,
-            children[0].arrival_time,
-            output_kind,
-        )
+        self.output_processor.add_request(request)
         try:
-            for child in children:
+            for child in request.children:
                 self.engine.add_request(child)
         except ValueError:
             self.abort_request(request_id)

@@ -5,7 +5,8 @@ them. It builds them itself because PyTorch's CPU thread pool (OpenMP) belongs t
 that first runs a parallel op: a model loaded on the main thread and stepped on another
 runs its kernels about 1.5x slower (measured: a bf16 decode step 18.5 ms on the loading
 thread, 28 ms on another). Each turn
-it drains a thread-safe inbox of adds and aborts, runs one `step()` if any request is
+it drains a thread-safe inbox of typed commands (`Add | Abort | Sleep | Wake`,
+`engine_commands.py`; anything else is refused when queued), runs one `step()` if any request is
 unfinished, publishes a stats snapshot, then hands the step's outputs to their request
 streams (so a consumer that sees its request end also sees it counted). With nothing to do
 it sleeps on a condition variable: no busy spin.
@@ -46,12 +47,20 @@ from typing import TYPE_CHECKING, Protocol
 
 from nanollmserve.engine.engine_core import EngineCore, EngineStats
 from nanollmserve.engine.errors import EngineFatalError
-from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.errors import UserError
+from nanollmserve.frontend.admission import AdmittedRequest
+from nanollmserve.frontend.engine_commands import (
+    COMMAND_TYPES,
+    Abort,
+    Add,
+    EngineCommand,
+    Sleep,
+    UnknownCommandError,
+    Wake,
+)
 from nanollmserve.frontend.engine_driver import EngineDriver
 from nanollmserve.frontend.tokenizer import load_tokenizer
-from nanollmserve.outputs import OutputKind, RequestOutput
-from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from nanollmserve.frontend.async_engine import RequestStream
@@ -115,7 +124,7 @@ class EngineLoop:
         self.num_requests_rejected = 0
         self.error: BaseException | None = None
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, object]] = []  # ("add", (stream, ...)) | ("abort", id)
+        self._inbox: list[EngineCommand] = []  # guarded by _cond
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._outbox: list[tuple[RequestStream, RequestOutput | BaseException]] = []  # ditto
         self._num_seqs_in_flight = 0  # guarded by _cond
@@ -152,19 +161,9 @@ class EngineLoop:
     def stats(self) -> ServingStats:
         return self._stats
 
-    def add(
-        self,
-        stream: RequestStream,
-        children: list[EngineCoreRequest],
-        prompt_text: str | None,
-        token_ids: list[int],
-        params: SamplingParams,
-        output_kind: OutputKind,
-        *,
-        capacity: int,
-    ) -> None:
-        """Queue a request (its `n` child requests) for the engine thread, or raise if the
-        loop is gone or more than `capacity` sequences would be in flight."""
+    def add(self, stream: RequestStream, request: AdmittedRequest, *, capacity: int) -> None:
+        """Queue an admitted request (its `n` child requests) for the engine thread, or
+        raise if the loop is gone or more than `capacity` sequences would be in flight."""
         with self._cond:
             if self._stopping or self.error is not None:
                 raise EngineDeadError("engine is not accepting requests: it has stopped")
@@ -175,15 +174,21 @@ class EngineLoop:
                     f"flight, at most {capacity} allowed); retry later"
                 )
             self._num_seqs_in_flight += stream.num_seqs
-            self._inbox.append(
-                ("add", (stream, children, prompt_text, token_ids, params, output_kind))
-            )
-            self._cond.notify()
+            self.send(Add(stream, request))
 
     def abort(self, request_id: str) -> None:
         """Unknown or finished ids are ignored."""
         with self._cond:
-            self._inbox.append(("abort", request_id))
+            self.send(Abort(request_id))
+
+    def send(self, command: EngineCommand) -> None:
+        """Queue a typed command for the engine thread (what `add`, `abort`, `sleep` and
+        `wake_up` do, after their checks); UnknownCommandError for anything else, here, in
+        the caller's thread."""
+        if not isinstance(command, COMMAND_TYPES):
+            raise UnknownCommandError(f"not an engine-loop command: {command!r}")
+        with self._cond:  # re-entrant: the callers above hold it already
+            self._inbox.append(command)
             self._cond.notify()
 
     @property
@@ -199,8 +204,7 @@ class EngineLoop:
             if self._stopping or self.error is not None:
                 raise EngineDeadError("engine is not accepting requests: it has stopped")
             self.sleep_requested = True
-            self._inbox.append(("sleep", (level, abort, done)))
-            self._cond.notify()
+            self.send(Sleep(level, abort, done))
         return done
 
     def wake_up(self) -> Future:
@@ -208,8 +212,7 @@ class EngineLoop:
         done: Future = Future()
         with self._cond:
             self.sleep_requested = False
-            self._inbox.append(("wake", done))
-            self._cond.notify()
+            self.send(Wake(done))
         return done
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -284,20 +287,23 @@ class EngineLoop:
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def _apply(self, commands: list[tuple[str, object]]) -> None:
+    def _apply(self, commands: list[EngineCommand]) -> None:
         if commands:
             self._last_active = time.monotonic()
-        for kind, payload in commands:
-            if kind == "add":
-                self._add(*payload)
-            elif kind == "sleep":
-                self._queue_sleep(*payload)
-            elif kind == "wake":
-                self._wake_up(payload)
-            else:
-                self._abort(payload)
+        for command in commands:
+            match command:
+                case Add(stream, request):
+                    self._add(stream, request)
+                case Abort(request_id):
+                    self._abort(request_id)
+                case Sleep(level, abort, done):
+                    self._queue_sleep(level, abort, done)
+                case Wake(done):
+                    self._wake_up(done)
+                case _:  # `send` refuses these: reaching here is a bug
+                    raise UnknownCommandError(f"not an engine-loop command: {command!r}")
 
-    def _add(self, stream: RequestStream, children, prompt_text, token_ids, params, kind):
+    def _add(self, stream: RequestStream, request: AdmittedRequest) -> None:
         request_id = stream.request_id
         if self._pending_sleeps or (self.is_sleeping and not self._slept_when_idle):
             self._end(stream, EngineSleepingError("the server is sleeping; retry later"))
@@ -306,7 +312,7 @@ class EngineLoop:
             logger.info("a request arrived: waking up")
             self._wake_engine()
         try:  # a ParamError too if the id is already running (the driver checks)
-            self.driver.add_request(request_id, prompt_text, token_ids, children, params, kind)
+            self.driver.add_request(request)
         except ValueError as exc:
             self._end(stream, exc)
             return
@@ -452,7 +458,7 @@ class EngineLoop:
         if include_inbox:
             with self._cond:  # adds that arrived after the last drain
                 leftovers, self._inbox = self._inbox, []
-            streams += [payload[0] for kind, payload in leftovers if kind == "add"]
+            streams += [command.stream for command in leftovers if isinstance(command, Add)]
         self._counts[count_as] += len(streams)
         for stream in streams:
             self._end(stream, error)

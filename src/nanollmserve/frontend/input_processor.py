@@ -1,8 +1,6 @@
-"""From what a user sends (text, token ids, chat messages) to EngineCoreRequests.
-
-Validation that needs the tokenizer or the model's limits happens here, before anything
-reaches the engine, and raises `ParamError` (naming the parameter) with the numbers involved,
-which the server turns into a 400.
+"""From what a user sends (text, token ids) to EngineCoreRequests: tokenizing (a bad prompt
+raises `ParamError` naming it), compiling a request's grammar, and the `n` child requests of
+an admitted request. The checks of a request's parameters and limits are `admission.py`'s.
 """
 
 from __future__ import annotations
@@ -85,12 +83,9 @@ class InputProcessor:
         them, so they are computed once per request (the output processor gives them to
         every choice), and the other children, free to take prefix-cache hits, reuse the
         prompt blocks child 0 computes in the same step. `lora_name`: the LoRA adapter they
-        all run with (None: the base model). `grammar`: `params.structured_outputs` compiled
-        already (the server's grammar workers); None compiles it here."""
-        self.validate(prompt_token_ids, params)
-        if grammar is None:
-            grammar = self.compile_grammar(params)
-        arrival_time = arrival_time or time.time()
+        all run with (None: the base model). `grammar`: `params.structured_outputs`
+        compiled. The request passed its checks already (`Admission.admit` calls this)."""
+        arrival_time = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             return [
                 EngineCoreRequest(
@@ -115,47 +110,6 @@ class InputProcessor:
                 )
             )
         return requests
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if params.priority != 0 and self.scheduling_policy != "priority":
-            raise ParamError(
-                f"priority is {params.priority}, but this server schedules "
-                f"{self.scheduling_policy}: start it with --scheduling-policy priority",
-                "priority",
-            )
-        limit = self.max_client_priority
-        if limit is not None and params.priority < limit:
-            raise ParamError(
-                f"priority is {params.priority}, more urgent than this server allows: "
-                f"--max-client-priority is {limit} (lower is more urgent)",
-                "priority",
-            )
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len + self.pooling:
-            raise ParamError(
-                f"This model's maximum context length is {self.max_model_len} tokens, and the "
-                f"prompt has {num_prompt} tokens"
-                + ("." if self.pooling else ", leaving no room for output."),
-                "prompt",
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ParamError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
-                f"prompt, {params.max_tokens} for the completion). Please reduce the prompt or "
-                f"max_tokens.",
-                "max_tokens",
-            )
-        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ParamError(
-                f"logit_bias has token id {bad[0]} outside the vocabulary", "logit_bias"
-            )
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ParamError(
-                f"stop_token_ids has token id {bad[0]} outside the vocabulary", "stop_token_ids"
-            )
 
     def compile_grammar(self, params: SamplingParams, param: str = "structured_outputs"):
         """The compiled grammar of `params.structured_outputs` (None without one); a schema,

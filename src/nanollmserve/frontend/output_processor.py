@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanollmserve.engine.messages import EngineCoreOutput, TokenLogprobs
+from nanollmserve.frontend.admission import AdmittedRequest
 from nanollmserve.frontend.detokenizer import IncrementalDetokenizer
 from nanollmserve.outputs import (
     CompletionOutput,
@@ -240,29 +241,23 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[RequestState, int]] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        child_ids: list[str],
-        params: SamplingParams,
-        arrival_time: float,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
-    ) -> None:
+    def add_request(self, request: AdmittedRequest) -> None:
+        """Track an admitted request: one ChildState per engine request (`n`)."""
+        prompt_token_ids, child_ids = request.prompt_token_ids, request.child_ids
         children = [
-            ChildState(i, self.tokenizer, prompt_token_ids, params) for i in range(len(child_ids))
+            ChildState(i, self.tokenizer, prompt_token_ids, request.params)
+            for i in range(len(child_ids))
         ]
         state = RequestState(
-            request_id=request_id,
-            prompt=prompt,
+            request_id=request.request_id,
+            prompt=request.prompt,
             prompt_token_ids=prompt_token_ids,
             children=children,
-            metrics=RequestMetrics(arrival_time, num_prompt_tokens=len(prompt_token_ids)),
-            output_kind=output_kind,
-            child_ids=list(child_ids),
+            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_token_ids)),
+            output_kind=request.output_kind,
+            child_ids=child_ids,
         )
-        self.requests[request_id] = state
+        self.requests[request.request_id] = state
         for i, child_id in enumerate(child_ids):
             self.child_to_parent[child_id] = (state, i)
 
