@@ -133,3 +133,19 @@ def test_infill_runs_the_fim_prompt_on_a_model_with_fim_tokens(fim_server):
         assert result["tokens_evaluated"] == len(ids)
         assert result["prompt"] == expected
         assert result["tokens_predicted"] == len(result["tokens"]) == 3
+
+
+def test_tokenize_and_detokenize_take_llamacpps_shapes_too(client):
+    text = "What is the capital of France?"
+    vllm = client.post("/tokenize", json={"prompt": text}).json()
+    native = client.post("/tokenize", json={"content": text})
+    assert native.status_code == 200 and native.json() == {"tokens": vllm["tokens"]}
+    detok = client.post("/detokenize", json={"tokens": vllm["tokens"]}).json()
+    assert detok["content"] == detok["prompt"] == text
+    pieces = client.post("/tokenize", json={"content": text, "with_pieces": True}).json()
+    assert [p["id"] for p in pieces["tokens"]] == vllm["tokens"]
+    assert "".join(p["piece"] for p in pieces["tokens"]) == text
+    both = client.post("/tokenize", json={"content": text, "prompt": text})
+    assert both.status_code == 400
+    assert client.post("/tokenize", json={"prompt": text, "with_pieces": True}).status_code == 400
+    assert client.post("/tokenize", json={"content": text, "add_special": True}).status_code == 400

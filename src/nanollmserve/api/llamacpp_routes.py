@@ -2,8 +2,9 @@
 llama.cpp's `llama-server`: `POST /completion`, `/infill`, `/apply-template`,
 `/slots/{id}`, `GET /props` and `/slots`. They only dispatch to `serving_llamacpp.py`; like
 every route, they need the API key when the server has one (`api/auth.py`).
-`/completions` stays the OpenAI route (llama.cpp serves its native one there too), and
-`/tokenize` / `/detokenize` keep vLLM's shapes (see docs/features/coming-from-llamacpp.md).
+`/completions` stays the OpenAI route (llama.cpp serves its native one there too);
+`/tokenize` and `/detokenize` are vLLM's routes, which take llama.cpp's shapes as well
+(`serving_llamacpp.tokenize`; see docs/features/coming-from-llamacpp.md).
 """
 
 from __future__ import annotations

@@ -121,6 +121,11 @@ class TokenizeRequest(RequestModel):
     """Text to tokenize as is (give `prompt` or `messages`)."""
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     """A chat conversation, rendered with the chat template and its generation prompt."""
+    content: str | None = None
+    """llama.cpp's name of `prompt`: the answer is then llama.cpp's `{"tokens": [...]}`
+    (`serving_llamacpp.tokenize`)."""
+    with_pieces: bool = False
+    """With `content` (llama.cpp's): each token as `{"id", "piece"}`, the piece its text."""
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -136,6 +141,8 @@ class DetokenizeRequest(RequestModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+    content: str | None = None
+    """The same text under llama.cpp's name."""
 
 
 # -- sampling ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from nanollmserve.api import (
     serving_chat,
     serving_completions,
     serving_embeddings,
+    serving_llamacpp,
     serving_lora,
     serving_messages,
     serving_responses,
@@ -240,6 +241,8 @@ async def count_message_tokens(body: CountTokensRequest, ctx: Ctx) -> CountToken
 @router.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
 async def tokenize(body: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     ctx.check_model(body.model)
+    if body.content is not None or body.with_pieces:  # llama.cpp's request and answer
+        return await serving_llamacpp.tokenize(body, ctx)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -259,7 +262,7 @@ async def detokenize(body: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
         text = await ctx.engine.detokenize(body.tokens) if body.tokens else ""
     except ParamError as exc:  # an id outside the vocabulary
         raise bad_request(str(exc), "tokens") from None
-    return DetokenizeResponse(prompt=text)
+    return DetokenizeResponse(prompt=text, content=text)
 
 
 @router.post("/generate", response_model=simple_api.GenerateResponse, tags=["simple"])

@@ -11,6 +11,7 @@ admission path as the OpenAI routes (`ServerContext.make_params` -> `add_request
   prompts, no file paths). Slot actions (save/restore/erase) are refused: this engine does
   not bind requests to slots.
 - `/apply-template`: the chat template's text for some messages.
+- `/tokenize` with llama.cpp's `content` (and `with_pieces`): handed over by the vLLM route.
 """
 
 from __future__ import annotations
@@ -307,3 +308,19 @@ async def apply_template(body: ApplyTemplateRequest, ctx: ServerContext) -> Appl
     ctx.limits.check_messages(len(body.messages))
     token_ids = await ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
     return ApplyTemplateResponse(prompt=await ctx.engine.detokenize(token_ids))
+
+
+# -- /tokenize in llama.cpp's shape ----------------------------------------------------------
+async def tokenize(body, ctx: ServerContext) -> JSONResponse:
+    """`POST /tokenize` with llama.cpp's `content` (the vLLM route hands it over): the text's
+    tokens as `{"tokens": [...]}`, with `with_pieces` each as `{"id", "piece"}` (a piece
+    that is not whole UTF-8 by itself shows U+FFFD where llama.cpp lists its bytes)."""
+    if body.content is None or body.prompt is not None or body.messages is not None:
+        raise bad_request("llama.cpp's tokenize takes content alone (vLLM's: prompt or messages)")
+    _, token_ids = await ctx.engine.tokenize(body.content) if body.content else (None, [])
+    if not body.with_pieces:
+        return JSONResponse({"tokens": token_ids})
+    pieces = [await ctx.engine.detokenize([token_id]) for token_id in token_ids]
+    return JSONResponse(
+        {"tokens": [{"id": t, "piece": p} for t, p in zip(token_ids, pieces, strict=True)]}
+    )
