@@ -46,6 +46,7 @@ CASES = {
     "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
     "llama-tied": (LlamaConfig, dict(tie_word_embeddings=True)),
     "llama-attention-bias": (LlamaConfig, dict(attention_bias=True)),
+    "llama-mlp-bias": (LlamaConfig, dict(mlp_bias=True)),
     "llama3-rope": (LlamaConfig, dict(rope_parameters=LLAMA3_ROPE)),
     "linear-rope": (
         LlamaConfig,

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -320,13 +319,23 @@ def to_block_layers(model: nn.Module) -> None:
 @pytest.mark.milestone("m22")
 @pytest.mark.parametrize(
     "case",
-    ["llama", "llama-tied", "llama-attention-bias", "mistral", "qwen2", "qwen3", "qwen3-untied"],
+    [
+        "llama",
+        "llama-tied",
+        "llama-attention-bias",
+        "llama-mlp-bias",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3-untied",
+    ],
 )
 def test_the_native_step_covers_biases_qk_norm_and_untied_heads(case, tmp_path):
-    """Tiny random models of each option the model declares to the native step (q/k/v and o
-    biases, Qwen3's q/k norms, tied and untied output projections that stay in PyTorch,
+    """Tiny random models of each option the model declares to the native step (q/k/v, o and
+    MLP biases, Qwen3's q/k norms, tied and untied output projections that stay in PyTorch,
     Mistral), their projections in Q8 blocks: the engine's native steps and T-token steps
-    (T = 1..6) against the PyTorch forward."""
+    (T = 1..6) against the PyTorch forward (itself checked against transformers for each case
+    in tests/test_model_parity.py)."""
     config_cls, overrides = CASES[case]
     make_tiny_hf_model(config_cls, tmp_path, **overrides)
     AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(tmp_path)
@@ -346,33 +355,27 @@ def test_the_native_step_covers_biases_qk_norm_and_untied_heads(case, tmp_path):
 
 
 @pytest.mark.milestone("m22")
-def test_a_model_the_native_layer_cannot_run_is_refused_with_the_reason(tmp_path, caplog):
-    """The model declares itself (`native_decoder()`) or says why it cannot, and the reason is
-    logged at load: the C layer has no MLP bias, so a model with `mlp_bias` keeps the PyTorch
-    forward (which adds it) instead of decoding wrong logits silently, even with its weights
-    in blocks; dense weights are refused too."""
+def test_a_model_whose_projections_are_not_blocks_declares_no_native_decoder(tmp_path, caplog):
+    """The model declares itself (`native_decoder()`) or says why it cannot: dense weights
+    keep the PyTorch forward, logged at INFO (the native step is not in play); with its
+    projections in blocks the same model runs natively (its options: tests/
+    test_decoder_options.py, refused at WARNING when the step lacks one)."""
     from transformers import LlamaConfig
 
     make_tiny_hf_model(LlamaConfig, tmp_path, mlp_bias=True)
     AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(tmp_path)
     with caplog.at_level(logging.INFO, logger="nanollmserve.engine.native_decode"):
         llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=16)
-    assert "no MLP bias" in caplog.text
+    assert "not all GGUF blocks" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     runner = llm.engine.model_runner
     assert runner.native_decode is None
-    config = runner.model.config
-    runner.model.config = replace(config, mlp_bias=False)  # then its dense weights refuse
     with pytest.raises(NotNativeError, match="not all GGUF blocks"):
         runner.model.native_decoder()
-    runner.model.config = config
     to_block_layers(runner.model)
     assert runner.model.model.layers[0].mlp.down_proj.bias is not None
-    with pytest.raises(NotNativeError, match="no MLP bias"):
-        runner.model.native_decoder()
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="nanollmserve.engine.native_decode"):
-        assert NativeDecodeStep.for_model(runner.model, 64 * 16) is None
-    assert "no MLP bias" in caplog.text
+    assert runner.model.native_decoder().options.mlp_bias
+    assert NativeDecodeStep.for_model(runner.model, 64 * 16) is not None
 
 
 def test_without_the_native_kernels_gguf_is_a_clear_error_and_the_default_dequantizes(

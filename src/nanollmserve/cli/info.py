@@ -1,7 +1,9 @@
 """`nanollmserve info`: what a model is and where its weights come from, without loading them.
 
 The parameter count is that of the native model (built on the meta device, a tied embedding
-counted once), so it is what `serve` would hold in memory.
+counted once), so it is what `serve` would hold in memory. "native step" says whether its
+steps would run as one native call: GGUF blocks and every `DecoderOptions` field it sets
+implemented by the C step (`native/supported.py`), or the reason they would not.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if quantization in COMPUTE_DTYPES:
         dtype = quantization_dtype(engine, quantization, dtype)
     kv_dtype = kv_cache_storage_dtype(resolve_kv_cache_dtype("auto", quantization), dtype)
-    num_params = count_parameters(build_model(config))
+    model = build_model(config)
+    num_params = count_parameters(model)
     files = checkpoint_files(source.path)
     size_mb = sum(f.stat().st_size for f in files) / 1e6
     rope = f"theta {config.rope_theta:g}"
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             "kv cache",
             f"{config.kv_bytes_per_token(kv_dtype):,} bytes per token ({dtype_name(kv_dtype)})",
         ),
+        ("native step", _native_step(model, quantization)),
         ("checkpoint", f"{len(files)} safetensors file(s), {size_mb:,.1f} MB"),
         ("weights", source.description),
         ("versions", _versions()),
@@ -92,6 +96,20 @@ def run(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _native_step(model, quantization: str | None) -> str:
+    """Whether `serve` would run steps as one native call, as far as the model's options and
+    weights tell (the kernels' build is not tried here)."""
+    from nanollmserve.native.supported import refusal
+
+    if quantization != "gguf":
+        return "no: the weights are not GGUF blocks"
+    options = getattr(model, "options", None)
+    if options is None:
+        return f"no: {type(model).__name__} declares no decoder options"
+    reason = refusal(options)
+    return f"no: {reason}" if reason else "yes: every decoder option it declares is implemented"
 
 
 def _versions() -> str:

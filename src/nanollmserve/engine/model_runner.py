@@ -219,12 +219,14 @@ class ModelRunner:
         return _to_sampled_tokens(self.sampler(logits, meta), requests)
 
     def _native_spans(self, scheduled: SchedulerOutput) -> list[StepSpan] | None:
-        """The step as native spans, one per request, or None (the forward runs it): on one
-        rank, without prompt logprobs, at most NATIVE_MAX_TOKENS tokens, each request running
-        its next token (decode), its last token and its drafts (verify: logits at each), or a
-        prefill chunk of at most NATIVE_PREFILL_MAX_TOKENS tokens (the last token's logits at
-        the prompt's end, none before)."""
-        if self.native_decode is None or self.step_sender is not None:
+        """The step as native spans, one per request, or None (the forward runs it): without
+        prompt logprobs, at most NATIVE_MAX_TOKENS tokens, each request running its next
+        token (decode), its last token and its drafts (verify: logits at each), or a prefill
+        chunk of at most NATIVE_PREFILL_MAX_TOKENS tokens (the last token's logits at the
+        prompt's end, none before). What holds for every step (one rank: a sharded model
+        declares no native decoder; the model's options) was settled at load: `native_decode`
+        is None then."""
+        if self.native_decode is None:
             return None
         if sum(scheduled.num_new_tokens) > NATIVE_MAX_TOKENS or PromptLogprobRows.of(scheduled):
             return None

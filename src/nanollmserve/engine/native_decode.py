@@ -14,12 +14,15 @@ drafts a speculative verify step (logits at every position), and a short prefill
 for the last token's logits at the prompt's end, none before.
 
 The step is built from the model's own declaration (`model.native_decoder()`,
-`model/native_decoder.py`), never from its internals: a model that cannot declare itself
-(an option the native layer lacks, projections not in GGUF blocks, tensor parallelism)
-is refused at load with that reason logged, and so is a declaration outside the kernels'
-limits (head_dim a multiple of 8 up to 256; a KV cache of float32, float16, or int8 with its
-scales: `--kv-cache-dtype int8` is written quantized and read in place by the step, fp8 is not) or a
-build without the kernels; every step then runs the PyTorch forward. The model runner decides
+`model/native_decoder.py`), never from its internals. A model that cannot declare itself
+(projections not in GGUF blocks, tensor parallelism) runs the PyTorch forward, logged at INFO:
+the native step was not in play. A declaration the native step cannot run is refused at load
+with the reason logged at WARNING (the GGUF blocks then run slower, through the forward): a
+non-default `DecoderOptions` field the step does not implement (`native/supported.py`, one
+comparison over every field), the kernels' limits (`ops.decode_step_limits`: head_dim a
+multiple of 8 up to 256; a KV cache of float32, float16, or int8 with its scales:
+`--kv-cache-dtype int8` is written quantized and read in place by the step, fp8 is not) or a
+build without the kernels. `nanollmserve info` shows the options' verdict. The model runner decides
 which steps run here; everything after the logits (grammar masks, sampling, logprobs) is
 unchanged.
 """
@@ -38,6 +41,7 @@ from nanollmserve.model.native_decoder import NativeDecoder, NotNativeError
 from nanollmserve.native import ops
 from nanollmserve.native.abi import NlsLayer, NlsModel
 from nanollmserve.native.ops import KV_DTYPE_CODES, decode_step, decode_step_limits
+from nanollmserve.native.supported import refusal
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,8 @@ def _layer_struct(layer) -> NlsLayer:
     return NlsLayer(
         *(p.kind for p in projections),
         *(_ptr(p.tiles) for p in projections),
-        _ptr(layer.qkv.bias), _ptr(layer.o.bias), _ptr(layer.input_norm), _ptr(layer.post_norm),
+        _ptr(layer.qkv.bias), _ptr(layer.o.bias), _ptr(layer.gate_up.bias), _ptr(layer.down.bias),
+        _ptr(layer.input_norm), _ptr(layer.post_norm),
         _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.k_cache), _ptr(layer.v_cache),
         _ptr(layer.k_scale), _ptr(layer.v_scale),
     )  # fmt: skip
@@ -121,11 +126,11 @@ class NativeDecodeStep:
         except NotNativeError as reason:
             logger.info("steps run in PyTorch, not as one native call: %s", reason)
             return None
-        reason = _kernel_limits(decoder)
-        if reason is None:
-            reason = None if ops.load_kernels() is not None else ops.kernels_unavailable_reason()
+        reason = refusal(decoder.options) or _kernel_limits(decoder)
+        if reason is None and ops.load_kernels() is None:
+            reason = ops.kernels_unavailable_reason()
         if reason is not None:
-            logger.info("steps run in PyTorch, not as one native call: %s", reason)
+            logger.warning("the GGUF blocks run through the PyTorch forward: %s", reason)
             return None
         logger.info("decode, verify and short prefill steps run as one native call (GGUF blocks)")
         return cls(decoder, model, max_context)

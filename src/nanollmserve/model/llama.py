@@ -7,22 +7,22 @@ before each step (`nanollmserve.layers.attention_context`); `compute_logits` tur
 states of the tokens the runner samples into float32 logits.
 
 q/k/v are one matmul (`qkv_proj`) and so are gate/up (`gate_up_proj`); the loader packs the HF
-tensors into them (`packed_modules_mapping`). Qwen2 and Qwen3 (`qwen.py`) are this decoder with
-other `DecoderOptions`.
+tensors into them (`packed_modules_mapping`). Every option that changes the math is a field of
+`DecoderOptions` (`decoder_options.py`), read from the config by `decoder_options`; Qwen2 and
+Qwen3 (`qwen.py`) are this decoder with other options.
 
 Under tensor parallelism (`layers/parallel_linear.py`) each rank builds this same model with
 its share of the heads, the MLP width and the vocabulary; with a group of one the parallel
 layers are plain linears and embeddings.
 
-The native step of one sequence (`engine/native_decode.py`) runs this same decoder in C. It
-is built from `LlamaForCausalLM.native_decoder()`, the model's declaration of its sizes,
-options and tensors (`model/native_decoder.py`), which refuses with the reason what the
-native layer does not run (MLP biases, projections not in GGUF blocks, tensor parallelism).
+The native step (`engine/native_decode.py`) runs this same decoder in C. It is built from
+`LlamaForCausalLM.native_decoder()`, the model's declaration of its sizes, options and
+tensors (`model/native_decoder.py`), which says why when the model cannot be declared
+(projections not in GGUF blocks, tensor parallelism); the native step refuses the options it
+does not implement (`native/supported.py`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,18 +43,9 @@ from nanollmserve.layers.parallel_linear import (
     gather_logits,
 )
 from nanollmserve.layers.rotary import RotaryEmbedding, apply_rotary
+from nanollmserve.model.decoder_options import DecoderOptions
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.native_decoder import NativeDecoder, NativeLayer, NotNativeError
-
-
-@dataclass(frozen=True)
-class DecoderOptions:
-    """What differs between the Llama-like architectures."""
-
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: bool = False
-    """RMSNorm over each query and key head before RoPE (Qwen3)."""
 
 
 class LlamaAttention(nn.Module):
@@ -103,9 +94,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, options.mlp_bias
         self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], bias=bias)
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
@@ -118,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
         self.self_attn = LlamaAttention(config, options)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,7 +134,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, options.rope_scaling
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, options) for _ in range(config.num_layers)
@@ -169,20 +160,29 @@ class LlamaForCausalLM(nn.Module):
     }
     """HF module name -> (our fused module, shard index): the loader concatenates the shards."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, options: DecoderOptions | None = None):
+        """`options`: the architecture's own (`decoder_options(config)`) when None."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.decoder_options(config))
+        self.options = self.decoder_options(config) if options is None else options
+        self.model = LlamaModel(config, self.options)
         # Tied embeddings: the output projection is embed_tokens.weight, no parameter of its own.
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if self.options.tie_word_embeddings
             else ParallelLMHead(config.hidden_size, config.vocab_size)
         )
 
     @classmethod
     def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
-        return DecoderOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
+        """The options of this architecture with this config."""
+        return DecoderOptions(
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            mlp_bias=config.mlp_bias,
+            tie_word_embeddings=config.tie_word_embeddings,
+            rope_scaling=config.rope_scaling,
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long -> hidden states [T, hidden_size]."""
@@ -202,8 +202,6 @@ class LlamaForCausalLM(nn.Module):
         config, decoder = self.config, self.model
         if get_tp_size() != 1:
             raise NotNativeError("the model is sharded over a tensor-parallel group")
-        if config.mlp_bias:
-            raise NotNativeError("the native layer has no MLP bias (mlp_bias)")
         embedding = decoder.embed_tokens
         quantized_embed = isinstance(embedding, GGUFEmbedding)
         embed = embedding.tiles if quantized_embed else embedding.weight
@@ -249,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
             rope=decoder.rotary_emb.cos_sin_cache,
             lm_head=self.lm_head if isinstance(self.lm_head, GGUFLinear) else None,
             layers=tuple(layers),
+            options=self.options,
         )
 
     def attention_layers(self) -> list[PagedAttention]:

@@ -2,17 +2,17 @@
 
 The decoder is defined once, in PyTorch (`model/llama.py`). A model that the native step can
 run describes itself as a `NativeDecoder`: its sizes, its options, and the tensors each layer
-reads (the GGUF projections, the norms, the biases, the layer's paged K/V cache). The native
-step is built from this declaration only, never from the model's internals; a model that
-cannot describe itself this way (an option the native layer does not have, weights that are
-not GGUF blocks, a sharded model) raises `NotNativeError` with the reason, and every step then
-runs the PyTorch forward.
+reads (the GGUF projections, the norms, the biases, the layer's paged K/V cache) and its
+`DecoderOptions`. The native step is built from this declaration only, never from the model's
+internals; a model that cannot describe itself this way (weights that are not GGUF blocks, a
+sharded model) raises `NotNativeError` with the reason, and every step then runs the PyTorch
+forward. Which options the native step implements is its own statement
+(`native.supported.SUPPORTED`): a declared option outside it is refused at load, by name.
 
-The options the native layer runs, each with its parity test in tests/test_native_decode.py:
-q/k/v and o biases (Llama `attention_bias`, Qwen2), q/k RMSNorm per head (Qwen3), a tied or
-untied output projection (in GGUF blocks, or left to `compute_logits`), any rotary scaling
-(baked into the cos/sin table), Mistral's sliding window while the context fits in it
-(`ModelConfig.max_context_len`). Not run: MLP biases (`mlp_bias`).
+The options the native step runs, each with its parity test (tests/test_decoder_options.py,
+tests/test_native_decode.py): q/k/v and o biases (Llama `attention_bias`, Qwen2), MLP biases
+(`mlp_bias`), q/k RMSNorm per head (Qwen3), a tied or untied output projection (in GGUF
+blocks, or left to `compute_logits`), any rotary scaling (baked into the cos/sin table).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from nanollmserve.layers.gguf_linear import GGUFLinear
+from nanollmserve.model.decoder_options import DecoderOptions
 
 
 class NotNativeError(Exception):
@@ -31,8 +32,8 @@ class NotNativeError(Exception):
 @dataclass(frozen=True)
 class NativeLayer:
     """One decoder layer: RMSNorm, fused q/k/v (+ bias), per-head q/k norm, RoPE, attention
-    over the paged cache, o (+ bias), residual, RMSNorm, gate/up, SiLU-and-mul, down,
-    residual."""
+    over the paged cache, o (+ bias), residual, RMSNorm, gate/up (+ bias), SiLU-and-mul, down
+    (+ bias), residual. The biases are the projections' own (`GGUFLinear.bias`)."""
 
     qkv: GGUFLinear
     o: GGUFLinear
@@ -75,4 +76,6 @@ class NativeDecoder:
     """The output projection in GGUF blocks, or None: the step ends at the final norm and the
     model's `compute_logits` projects."""
     layers: tuple[NativeLayer, ...]
+    options: DecoderOptions
+    """The model's options: the native step refuses those it does not implement."""
     embed_kind: int = 0

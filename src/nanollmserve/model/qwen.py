@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from nanollmserve.model.llama import DecoderOptions, LlamaForCausalLM
+from dataclasses import replace
+
+from nanollmserve.model.decoder_options import DecoderOptions
+from nanollmserve.model.llama import LlamaForCausalLM
 from nanollmserve.model.model_config import ModelConfig
 
 
@@ -11,7 +14,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
-        return DecoderOptions(qkv_bias=True, o_bias=False)
+        return replace(super().decoder_options(config), qkv_bias=True, o_bias=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -19,5 +22,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
-        bias = config.attention_bias
-        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return replace(super().decoder_options(config), qk_norm=True)

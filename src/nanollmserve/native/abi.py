@@ -51,7 +51,8 @@ class NlsLayer(ctypes.Structure):
         ("gate_up_kind", ctypes.c_int32),
         ("down_kind", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")),
-        *((name, ctypes.c_void_p) for name in ("qkv_bias", "o_bias", "input_norm", "post_norm")),
+        *((name, ctypes.c_void_p) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
+        *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm")),
         *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "k_cache", "v_cache")),
         *((name, ctypes.c_void_p) for name in ("k_scale", "v_scale")),
     ]

@@ -16,7 +16,7 @@
  *    one call and one OpenMP parallel region: RMSNorm, fused q/k/v, rotary embedding, the K/V
  *    write into the paged cache (float32, or int8 codes and a scale per token and KV head,
  *    quantized as they are written), causal attention over the sequence's blocks, the output
- *    projection, the gated MLP, the final norm and the output projection to the vocabulary.
+ *    projection, the gated MLP (biases where the model has them), the final norm and the output projection to the vocabulary.
  *    The T rows go through each matrix together (a tile's weights decoded once for all of
  *    them). PyTorch runs the same step as ~1000 operator calls, whose dispatch alone costs
  *    more than the arithmetic at a few tokens.
@@ -893,6 +893,8 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             PHASE(PHASE_GATE_UP);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
+                if (L->gate_up_bias)
+                    for (int i = 0; i < 2 * I; i++) gate_up[t * 2 * I + i] += L->gate_up_bias[i];
                 silu_and_mul(gate_up + t * 2 * I, I, act + t * I);
                 quantize_row(act + t * I, I, xq + t * I, dx + t * (I / QK), sx + t * (I / QK));
             }
@@ -900,8 +902,12 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             matmul_shared(L->down_kind, L->down, H, I, xq, dx, sx, T, acc, proj, amx);
             PHASE(PHASE_DOWN);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i];
+            for (int64_t t = 0; t < T; t++) {
+                if (L->down_bias)
+                    for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i] + L->down_bias[i];
+                else
+                    for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i];
+            }
         }
         /* the final norm of the rows that give logits, as rows 0.. of xn and xq */
 #pragma omp for schedule(static)
@@ -945,7 +951,8 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
         ABI_OFFSET(nls_layer, qkv_kind), ABI_OFFSET(nls_layer, o_kind), ABI_OFFSET(nls_layer, gate_up_kind),
         ABI_OFFSET(nls_layer, down_kind), ABI_OFFSET(nls_layer, qkv), ABI_OFFSET(nls_layer, o),
         ABI_OFFSET(nls_layer, gate_up), ABI_OFFSET(nls_layer, down), ABI_OFFSET(nls_layer, qkv_bias),
-        ABI_OFFSET(nls_layer, o_bias), ABI_OFFSET(nls_layer, input_norm), ABI_OFFSET(nls_layer, post_norm),
+        ABI_OFFSET(nls_layer, o_bias), ABI_OFFSET(nls_layer, gate_up_bias), ABI_OFFSET(nls_layer, down_bias),
+        ABI_OFFSET(nls_layer, input_norm), ABI_OFFSET(nls_layer, post_norm),
         ABI_OFFSET(nls_layer, q_norm), ABI_OFFSET(nls_layer, k_norm), ABI_OFFSET(nls_layer, k_cache),
         ABI_OFFSET(nls_layer, v_cache), ABI_OFFSET(nls_layer, k_scale), ABI_OFFSET(nls_layer, v_scale),
         {"sizeof(nls_model)", (int64_t)sizeof(nls_model)},

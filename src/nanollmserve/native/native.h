@@ -68,6 +68,7 @@ typedef struct {
     int32_t qkv_kind, o_kind, gate_up_kind, down_kind; /* KIND_Q4 or KIND_Q8 */
     const uint8_t *qkv, *o, *gate_up, *down;          /* rows of those kinds */
     const float *qkv_bias, *o_bias;                    /* or NULL */
+    const float *gate_up_bias, *down_bias;             /* or NULL (`mlp_bias`) */
     const float *input_norm, *post_norm;               /* [hidden] */
     const float *q_norm, *k_norm;                      /* [head_dim] (Qwen3) or NULL */
     void *k_cache, *v_cache;                           /* [blocks, block_size, kv_heads, head_dim] of kv_dtype */
@@ -97,11 +98,12 @@ NLS_ASSERT_OFFSET(nls_layer, qkv_kind, 0);
 NLS_ASSERT_OFFSET(nls_layer, down_kind, 12);
 NLS_ASSERT_OFFSET(nls_layer, qkv, 16);
 NLS_ASSERT_OFFSET(nls_layer, qkv_bias, 16 + 4 * NLS_PTR);
-NLS_ASSERT_OFFSET(nls_layer, input_norm, 16 + 6 * NLS_PTR);
-NLS_ASSERT_OFFSET(nls_layer, q_norm, 16 + 8 * NLS_PTR);
-NLS_ASSERT_OFFSET(nls_layer, k_cache, 16 + 10 * NLS_PTR);
-NLS_ASSERT_OFFSET(nls_layer, v_scale, 16 + 13 * NLS_PTR);
-_Static_assert(sizeof(nls_layer) == 16 + 14 * NLS_PTR, "nls_layer: update native/abi.py");
+NLS_ASSERT_OFFSET(nls_layer, gate_up_bias, 16 + 6 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, input_norm, 16 + 8 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, q_norm, 16 + 10 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, k_cache, 16 + 12 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, v_scale, 16 + 15 * NLS_PTR);
+_Static_assert(sizeof(nls_layer) == 16 + 16 * NLS_PTR, "nls_layer: update native/abi.py");
 NLS_ASSERT_OFFSET(nls_model, hidden, 0);
 NLS_ASSERT_OFFSET(nls_model, embed_kind, 12 * 4);
 NLS_ASSERT_OFFSET(nls_model, eps, 13 * 4);
