@@ -126,3 +126,24 @@ def test_stream_block_indices_with_tool_calls(client):
     }
     kinds = assert_anthropic_block_order(stream_events(client, body))
     assert kinds and set(kinds) == {"tool_use"}
+
+
+def test_earlier_thinking_blocks_are_accepted_and_left_out(client):
+    def count(assistant_content) -> int:
+        messages = [
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": assistant_content},
+            {"role": "user", "content": "And 3+3?"},
+        ]
+        response = client.post("/v1/messages/count_tokens", json={"messages": messages})
+        assert response.status_code == 200, response.text
+        return response.json()["input_tokens"]
+
+    text = {"type": "text", "text": "4"}
+    thinking = {"type": "thinking", "thinking": "Two plus two.", "signature": "sig"}
+    redacted = {"type": "redacted_thinking", "data": "opaque"}
+    assert count([thinking, text]) == count([redacted, text]) == count([text])
+    body = {"max_tokens": 3, "messages": [{"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": [thinking, text]},
+                                          {"role": "user", "content": "Bye"}]}  # fmt: skip
+    assert client.post("/v1/messages", json=body).status_code == 200

@@ -2,8 +2,9 @@
 in Anthropic's shapes, and their conversion into the chat request the server already runs.
 
 A request is `system` (a string or text blocks), `messages` (a string or content blocks:
-`text`; an assistant's `tool_use`; a user's `tool_result`), `max_tokens` (required),
-`stop_sequences`, `temperature` / `top_p` / `top_k`, `metadata.user_id`, `tools`
+`text`; an assistant's `tool_use` and earlier `thinking` (dropped); a user's
+`tool_result`), `max_tokens` (required), `stop_sequences`, `temperature` / `top_p` /
+`top_k`, `metadata.user_id`, `tools`
 (`{name, description, input_schema}`) and `tool_choice` (`auto`, `any`, `tool`, `none`),
 plus chat's `seed`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos` and
 `priority` (vLLM's, under `--scheduling-policy priority`).
@@ -77,7 +78,20 @@ class ToolResultBlock(OpenAIBaseModel):
         return "".join(block.text for block in self.content)
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(OpenAIBaseModel):
+    """An assistant's earlier thinking, sent back in the next turn: accepted and left out of
+    the chat (chat templates drop earlier turns' thinking)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""
+    signature: str | None = None
+    data: str | None = None
+    """A `redacted_thinking` block's opaque content."""
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
 
 
 class MessageParam(OpenAIBaseModel):
