@@ -4,7 +4,8 @@ do unbounded work per token (thousands of stop strings to match, a huge logit_bi
 Each field is a `nanollmserve serve` flag (`max_stop_strings` is `--max-stop-strings`) and a
 request over a limit gets a 400 (gRPC: INVALID_ARGUMENT) naming the parameter. The sampling
 limits are checked below every frontend, by the engine's `RequestPolicy`
-(`frontend/request_policy.py`), so HTTP and gRPC refuse the same requests; the frontends
+(`frontend/request_policy.py`, applied by `frontend/admission.py`), so HTTP, gRPC and the
+offline `LLM` (its `request_limits`) refuse the same requests; the frontends
 check the fields only they have (messages, tools, user, metadata, a client's request id)
 with `check_fields` before any work. No torch or FastAPI here: the CLI builds its flags from
 this module before loading anything.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -21,61 +20,16 @@ from nanollmserve.api.generation import StreamTotals, admit, collect_final
 from nanollmserve.api.protocol import SamplingExtensions, UsageInfo
 from nanollmserve.api.protocol_responses import ResponsesRequest
 from nanollmserve.api.request_log import REQUEST_ID_HEADER, log_client_request_id
-from nanollmserve.api.response_store import DEFAULT_MAX_BYTES, ResponseStore
-from nanollmserve.body_limit import MAX_REQUEST_BYTES
+from nanollmserve.api.response_store import ResponseStore
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import AsyncEngine, OutputKind, RequestStream
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
+from nanollmserve.server_settings import ServerSettings
 
 ANY_MODEL_NAME = "*"
 """`--served-model-name '*'`: accept any model name."""
-
-
-@dataclass
-class ServerSettings:
-    served_model_names: list[str] = field(default_factory=list)
-    """Names the model answers to; the first is the one reported. Empty: the model's name."""
-    api_key: str | None = None
-    """When set, every route except /health (and /metrics, see below) needs
-    `Authorization: Bearer <api_key>`."""
-    metrics_require_auth: bool = False
-    """With an api_key, /metrics needs it too; by default scrapers read /metrics freely."""
-    admin_api_key: str | None = None
-    """`--admin-api-key`: what the admin routes (`/sleep`, `/wake_up`, `/is_sleeping`,
-    `/debug/steps`) need, never the api_key; None: those routes are off (404)."""
-    max_request_bytes: int = MAX_REQUEST_BYTES
-    response_store_size: int = 1024
-    """Responses kept for GET /v1/responses/{id} and previous_response_id (LRU)."""
-    response_store_max_bytes: int = DEFAULT_MAX_BYTES
-    """The bytes those responses may hold in all (`--responses-store-max-bytes`)."""
-    tool_call_parser: str | None = None
-    """The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice --tool-call-parser`);
-    None: "auto" with tools is a 400."""
-    reasoning_parser: str | None = None
-    """`--reasoning-parser`: a reasoning model's thinking goes to `reasoning_content` (chat)
-    and a `reasoning` item (responses); None: it stays in the text."""
-    log_requests: bool = False
-    """Log one line per ended request (`nanollmserve serve` turns it on)."""
-    log_prompts: bool = False
-    """Put the prompt text in that line too."""
-    allowed_origins: list[str] = field(default_factory=list)
-    """CORS: origins browsers may call from (empty: CORS off, same-origin only; `*`: any)."""
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    allow_runtime_lora_updating: bool = False
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter work (404 otherwise); admin
-    routes, behind `admin_api_key`."""
-    tracer: object | None = None
-    """`--otlp-traces-endpoint`: the `nanollmserve.tracing.spans.Tracer` that gives each
-    generation request a span (HTTP and gRPC); None: tracing off."""
-    enable_debug_endpoints: bool = False
-    """GET /debug/steps (the engine's flight record) is served (404 otherwise)."""
-    kv_role: str = "both"
-    """`--kv-role` (prefill | decode | both), reported by /health for the router's pd
-    policy (prefill/decode disaggregation)."""
 
 
 class ServerContext:

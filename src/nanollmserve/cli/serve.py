@@ -32,7 +32,7 @@ from nanollmserve.cli.env_defaults import apply_env_defaults
 from nanollmserve.config import add_engine_args, engine_config_from_args
 from nanollmserve.errors import UserError
 from nanollmserve.request_limits import add_limit_args, limits_from_args
-from nanollmserve.sizes import parse_size
+from nanollmserve.server_settings import add_server_args, server_settings_from_args
 from nanollmserve.structured_output_limits import (
     add_structured_output_args,
     structured_output_limits_from_args,
@@ -40,8 +40,6 @@ from nanollmserve.structured_output_limits import (
 from nanollmserve.tracing.flags import add_tracing_args, tracer_from_args
 
 logger = logging.getLogger("nanollmserve.serve")
-
-API_KEY_ENV = "NANOLLMSERVE_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,40 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     group.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0: any)")
     group.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="name(s) clients use in `model` (default: the model's name); '*' among them "
-        "accepts any name, as llama.cpp's server does (the base model runs it)",
-    )
-    group.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
         metavar="NAME=PATH",
         help="LoRA adapters to serve (PEFT directories), each selected by `model`=NAME "
         "(needs --enable-lora)",
-    )
-    group.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        help="let the operator load and unload LoRA adapters (POST /v1/load_lora_adapter, "
-        "/v1/unload_lora_adapter: admin routes, behind --admin-api-key)",
-    )
-    group.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health, the "
-        f"playground's page and files and (unless --metrics-require-auth) /metrics "
-        f"(default: ${API_KEY_ENV}; prefer the variable, command lines are visible)",
-    )
-    group.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="the operator's key for the admin routes (POST /sleep, /wake_up, GET "
-        "/is_sleeping, /debug/steps), never the API key; without it those routes are off "
-        "(404) (default: $NANOLLMSERVE_ADMIN_API_KEY; prefer the variable)",
     )
     group.add_argument(
         "--max-queue-len",
@@ -127,21 +97,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "model without --chat-template)",
     )
     group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=["hermes"],
-        help="how tool calls are read from the model's text (vLLM's names; hermes: "
-        "<tool_call>{...}</tool_call>, Qwen, SmolLM2)",
-    )
-    group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=["deepseek_r1", "qwen3"],
-        help="split a reasoning model's <think>...</think> into reasoning_content (chat) and "
-        "a reasoning item (responses); structured output then applies to the answer after "
-        "</think> (default: off, the thinking stays in the text)",
-    )
-    group.add_argument(
         "--default-chat-template-kwargs",
         default=None,
         metavar="JSON",
@@ -149,38 +104,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "e.g. '{\"enable_thinking\": false}' (default: none)",
     )
     group.add_argument(
-        "--kv-role",
-        default="both",
-        choices=KV_ROLES,
-        help="prefill/decode disaggregation (the router's --policy pd): prefill workers "
-        "compute prompts and hand their KV blocks on, decode workers generate from them, "
-        "through the --kv-offload-dir store they share (same directory, e.g. on /dev/shm; "
-        "needed by prefill and decode); reported by /health (default %(default)s: both)",
-    )
-    group.add_argument(
         "--grpc-port",
         type=int,
         default=None,
         help="also serve gRPC (proto/nanollmserve.proto) on this port of --host (default: off)",
-    )
-    group.add_argument(
-        "--enable-debug-endpoints",
-        action="store_true",
-        help="serve GET /debug/steps, the engine's flight record (--step-record), behind "
-        "the admin key, --admin-api-key (default: off, a 404)",
-    )
-    group.add_argument(
-        "--metrics-require-auth",
-        action="store_true",
-        help="with --api-key, require the key on /metrics too (default: open to scrapers)",
-    )
-    group.add_argument(
-        "--responses-store-max-bytes",
-        type=parse_size,
-        default="64MiB",
-        metavar="SIZE",
-        help="bytes the stored /v1/responses results (store: true) may hold in all, least "
-        "recently used evicted first; one larger than this is not stored (default %(default)s)",
     )
     group.add_argument(
         "--log-stats-interval",
@@ -201,25 +128,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="log level of uvicorn (default: --log-level)",
-    )
-    group.add_argument(
-        "--enable-log-requests",
-        dest="enable_log_requests",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="log one line per finished request: id, prompt/cached/generated tokens, TTFT, "
-        "E2E, finish reason, status (default: on)",
-    )
-    group.add_argument(
-        "--disable-log-requests",
-        dest="enable_log_requests",
-        action="store_false",
-        help="same as --no-enable-log-requests",
-    )
-    group.add_argument(
-        "--log-prompts",
-        action="store_true",
-        help="put the prompt text in the request log line (default: never logged)",
     )
     group.add_argument(
         "--generation-config",
@@ -248,31 +156,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
         help="client certificates: 0 none, 1 optional, 2 required (default %(default)s)",
     )
-    cors = parser.add_argument_group("CORS (off unless --allowed-origins; then preflights work)")
-    cors.add_argument(
-        "--allowed-origins",
-        default="[]",
-        metavar="JSON",
-        help="origins browsers may call from, a JSON list: '[\"https://app.example\"]' "
-        "(default %(default)s: CORS off, same-origin only)",
-    )
-    cors.add_argument(
-        "--allowed-methods",
-        default='["*"]',
-        metavar="JSON",
-        help="methods allowed cross-origin, a JSON list (default %(default)s)",
-    )
-    cors.add_argument(
-        "--allowed-headers",
-        default='["*"]',
-        metavar="JSON",
-        help="request headers allowed cross-origin, a JSON list (default %(default)s)",
-    )
-    cors.add_argument(
-        "--allow-credentials",
-        action="store_true",
-        help="allow cookies / credentials cross-origin (default: off)",
-    )
+    add_server_args(parser, group.title)  # ServerSettings' flags (server, CORS)
     add_limit_args(parser)
     add_structured_output_args(parser)
     add_tracing_args(parser)
@@ -328,10 +212,10 @@ def run(args: argparse.Namespace) -> int:
         run_torchrun_worker(config)  # a torchrun rank > 0 runs the model, serves nothing
         return 0
     args.lora_modules = _lora_modules(args, config)
-    args.cors = {name: _json_list(args, name) for name in CORS_FLAGS}
+    settings = server_settings_from_args(args)  # a bad CORS list fails before the model loads
     args.default_chat_template_kwargs = _chat_template_kwargs(args.default_chat_template_kwargs)
     _check_tls(args)
-    args.tracer = tracer_from_args(args, "nanollmserve")  # no packages: fails before loading
+    settings.tracer = tracer_from_args(args, "nanollmserve")  # no packages: fails before loading
     if args.generation_config not in ("auto", "vllm"):
         from nanollmserve.generation_config import load_generation_defaults
 
@@ -343,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
         args.enable_auto_tool_choice, args.tool_call_parser = True, BUNDLED_TOOL_CALL_PARSER
     sock = _bind(args.host, args.port)
     try:
-        return asyncio.run(_serve(args, config, chat_template, max_queue_len, sock, start))
+        return asyncio.run(
+            _serve(args, settings, config, chat_template, max_queue_len, sock, start)
+        )
     finally:
         sock.close()
 
@@ -364,7 +250,9 @@ def _start_native_build(args: argparse.Namespace) -> None:
         build_in_background()
 
 
-async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int:
+async def _serve(args, settings, config, chat_template, max_queue_len, sock, start) -> int:
+    if not args.enable_auto_tool_choice:
+        settings.tool_call_parser = None  # "auto" with tools is a 400
     from nanollmserve.frontend.async_engine import AsyncEngine
     from nanollmserve.frontend.request_policy import RequestPolicy
 
@@ -396,7 +284,7 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
     # thread loads the model, much of which runs in PyTorch without holding the GIL.
     import uvicorn
 
-    from nanollmserve.api import ServerSettings, create_app
+    from nanollmserve.api import create_app
     from nanollmserve.generation_config import describe
     from nanollmserve.metrics import StatsLogger
 
@@ -412,25 +300,6 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
         args.generation_config,
         describe(dict(engine.request_policy.generation_defaults)),
     )
-    settings = ServerSettings(
-        served_model_names=args.served_model_name or [],
-        api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
-        metrics_require_auth=args.metrics_require_auth,
-        response_store_max_bytes=args.responses_store_max_bytes,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser,
-        log_requests=args.enable_log_requests,
-        log_prompts=args.log_prompts,
-        allowed_origins=args.cors["allowed_origins"],
-        allowed_methods=args.cors["allowed_methods"],
-        allowed_headers=args.cors["allowed_headers"],
-        allow_credentials=args.allow_credentials,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        enable_debug_endpoints=args.enable_debug_endpoints,
-        tracer=args.tracer,
-        kv_role=args.kv_role,
-    )
     app = create_app(engine, settings)
     host, port = sock.getsockname()[:2]
     scheme = "https" if args.ssl_certfile else "http"
@@ -440,10 +309,10 @@ async def _serve(args, config, chat_template, max_queue_len, sock, start) -> int
             grpc_server,
             engine,
             model_name=app.state.ctx.model_name,
-            api_key=args.api_key,
+            api_key=settings.api_key,
             log_requests=settings.log_requests,
-            reasoning_parser=args.reasoning_parser,
-            tracer=args.tracer,
+            reasoning_parser=settings.reasoning_parser,
+            tracer=settings.tracer,
         )
         url += f" grpc={_url_host(host)}:{grpc_port}"
     stats_task = None
@@ -552,21 +421,6 @@ def _lora_modules(args: argparse.Namespace, config) -> list[tuple[str, str]]:
         flag = "--lora-modules" if modules else "--allow-runtime-lora-updating"
         raise UserError(f"{flag} needs --enable-lora")
     return modules
-
-
-CORS_FLAGS = ("allowed_origins", "allowed_methods", "allowed_headers")
-KV_ROLES = ("prefill", "decode", "both")
-
-
-def _json_list(args: argparse.Namespace, name: str) -> list[str]:
-    raw = getattr(args, name)
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise UserError(f"--{name.replace('_', '-')} must be a JSON list: {exc}") from None
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise UserError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {raw}")
-    return value
 
 
 def _chat_template_kwargs(raw: str | None) -> dict:
