@@ -4,6 +4,8 @@ package (the oracle), against
 
 - our reading of the blocks (model/gguf_kquants.py; model/gguf_blocks.py for the legacy
   types), which must be exact;
+- a weight fusing rows of three types (Q4_K, Q5_0, Q6_K, as a Q4_K_M file's q/k/v may) in
+  one kernel call;
 - the native kernels of each ISA level this CPU runs (NANOLLMSERVE_CPU_ISA=avx2 / avx512, each
   in its own process: the library is chosen once per process), and the K-quant kernel's
   plain-C twin, at 1, 5, 24, 48 and 64 rows, within the error the int16 activations allow:
@@ -25,12 +27,15 @@ import pytest
 import torch
 
 from nanollmserve.model.gguf_blocks import _block_rows
-from nanollmserve.model.gguf_kquants import KQUANT_TYPES, STORED, read_kquant_rows
+from nanollmserve.model.gguf_kquants import KQUANT_TYPES, STORED, fuse_rows, read_kquant_rows
 
 pytestmark = pytest.mark.milestone("m31")
 
 ROWS = (1, 5, 24, 48, 64)
 OUT, IN = 40, 512  # two and a half tiles; two 256-wide super-blocks
+FUSED = "Q4_K+Q5_0+Q6_K"
+FUSED_PARTS = (("Q4_K", 16), ("Q5_0", 8), ("Q6_K", 16))
+"""A fused weight of three types (rows per part): one kernel call, offsets per output."""
 LEGACY = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
 """The types today's kernels (gguf_cpu.c) run -> (weights, bytes) per file block."""
 HALF_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
@@ -74,13 +79,24 @@ def kernel_errors() -> dict:
     from nanollmserve.native import ops
 
     results = {}
-    for seed, type_name in enumerate([*KQUANT_TYPES, *LEGACY]):
-        raw = random_blocks(type_name, OUT, IN, seed=10 + seed)
-        weights = oracle(type_name, raw)
-        if type_name in LEGACY:
+    for seed, type_name in enumerate([*KQUANT_TYPES, *LEGACY, FUSED]):
+        if type_name == FUSED:  # q/k/v of a Q4_K_M file: one weight, three types
+            parts = [random_blocks(t, n, IN, seed=20 + i) for i, (t, n) in enumerate(FUSED_PARTS)]
+            weights = np.concatenate(
+                [oracle(t, r) for (t, _), r in zip(FUSED_PARTS, parts, strict=True)]
+            )
+            rows = fuse_rows(
+                [read_kquant_rows(t, r, IN) for (t, _), r in zip(FUSED_PARTS, parts, strict=True)]
+            )
+            tiles = torch.from_numpy(rows.tiled())
+        elif type_name in LEGACY:
+            raw = random_blocks(type_name, OUT, IN, seed=10 + seed)
+            weights = oracle(type_name, raw)
             legacy = _block_rows(raw, type_name)
             tiles = legacy.tiled()
         else:
+            raw = random_blocks(type_name, OUT, IN, seed=10 + seed)
+            weights = oracle(type_name, raw)
             rows = read_kquant_rows(type_name, raw, IN)
             tiles = torch.from_numpy(rows.tiled())
         for count in ROWS:
@@ -95,8 +111,8 @@ def kernel_errors() -> dict:
             if type_name in LEGACY:  # no C twin: the vector kernel stands for both
                 vec = ref = ops.gguf_matmul(legacy.kind, tiles, OUT, xt, None).numpy()
             else:
-                vec = ops.kquant_matmul(rows.bits, rows.off, tiles, OUT, xt).numpy()
-                ref = ops.kquant_matmul(rows.bits, rows.off, tiles, OUT, xt, reference=True).numpy()
+                vec = ops.kquant_matmul(rows.bits, tiles, OUT, xt).numpy()
+                ref = ops.kquant_matmul(rows.bits, tiles, OUT, xt, reference=True).numpy()
             results[f"{type_name}/{count}"] = {
                 "vector": float((np.abs(vec - exact) / bound).max()),
                 "reference": float((np.abs(ref - exact) / bound).max()),
@@ -127,7 +143,7 @@ def test_every_kernel_agrees_with_the_oracle(isa: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.splitlines()[-1])
-    assert len(results) == (len(KQUANT_TYPES) + len(LEGACY)) * len(ROWS)
+    assert len(results) == (len(KQUANT_TYPES) + len(LEGACY) + 1) * len(ROWS)
     worst = {
         key: value
         for key, value in results.items()

@@ -13,10 +13,12 @@ its neighbours in ggml-quants.c), so nothing is rounded or re-quantized. The `gg
 
 `KQuantRows.tiled()` lays the numbers out as the kernel reads them: 16 outputs per tile and
 per block of 32 inputs their low nibbles (gguf_cpu.c's Q4 arrangement), the higher code bits
-as one 32-bit mask per widened input pair, the sub-scales, `d`, `dm` and `mn`; the byte map
-is in kquant_cpu.c's header comment. A tile-block is 416, 480 or 544 bytes for 4-, 5- and
-6-bit codes (6.5 to 8.5 bits a weight, against the file's 4.5 to 6.6: the per-output scales
-of every 32-block are spelled out).
+as one 32-bit mask per widened input pair, the sub-scales, `d`, `dm`, `mn` and `off`; the
+byte map is in kquant_cpu.c's header comment. `fuse_rows` stacks weights of different types
+along the outputs (q/k/v, gate/up of a Q4_K_M file: Q4_K beside Q6_K) into one: the offset
+is per output and the codes take the widest part's bits. A tile-block is 416, 480 or 544
+bytes for 4-, 5- and 6-bit codes (6.5 to 8.5 bits a weight, against the file's 4.5 to 6.6:
+the per-output scales of every 32-block are spelled out).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ TYPE_BITS_OFFSET = {
     "Q5_K": (5, 0),
     "Q6_K": (6, 32),
 }
-"""Type -> (code bits, code offset `off`): the kernel's two parameters."""
+"""Type -> (code bits, code offset `off`)."""
 STORED = {
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
@@ -58,9 +60,14 @@ def tile_block_bytes(bits: int) -> int:
 
 @dataclass
 class KQuantRows:
-    """One weight [out, in] of a K-quant or 5-bit type, as integers and halves."""
+    """One weight [out, in] of K-quant or 5-bit types, as integers and halves."""
 
     type_name: str
+    """The file's block type, or the fused types joined by "+"."""
+    bits: int
+    """Bits of the widest code."""
+    off: np.ndarray
+    """uint8 [out]: each output's code offset."""
     codes: np.ndarray
     """uint8 [out, in]: q, all its bits."""
     sc: np.ndarray
@@ -72,18 +79,11 @@ class KQuantRows:
     mn: np.ndarray
     """uint8 [out, in / 32]."""
 
-    @property
-    def bits(self) -> int:
-        return TYPE_BITS_OFFSET[self.type_name][0]
-
-    @property
-    def off(self) -> int:
-        return TYPE_BITS_OFFSET[self.type_name][1]
-
     def dequantize(self) -> np.ndarray:
         """float32 [out, in]: the weights these numbers stand for."""
         out, n = self.codes.shape
-        q = self.codes.astype(np.float32).reshape(out, n // 16, 16) - self.off
+        q = self.codes.astype(np.float32) - self.off.astype(np.float32)[:, None]
+        q = q.reshape(out, n // 16, 16)
         w = q * self.sc.astype(np.float32)[..., None]
         w = w.reshape(out, n // BLOCK, BLOCK) * self.d.astype(np.float32)[..., None]
         w += (self.dm.astype(np.float32) * self.mn.astype(np.float32))[..., None]
@@ -118,8 +118,8 @@ class KQuantRows:
             a = padded(a).reshape(tiles, TILE, nb).transpose(0, 2, 1)
             return np.ascontiguousarray(a).view(np.uint8).reshape(tiles, nb, -1)
 
-        parts += [per_tile(self.d), per_tile(self.dm), per_tile(self.mn)]
-        parts.append(np.zeros((tiles, nb, 16), dtype=np.uint8))
+        off = np.repeat(self.off[:, None], nb, axis=1)
+        parts += [per_tile(self.d), per_tile(self.dm), per_tile(self.mn), per_tile(off)]
         return np.ascontiguousarray(np.concatenate(parts, axis=2))
 
 
@@ -136,6 +136,25 @@ def read_kquant_rows(type_name: str, raw: np.ndarray, in_features: int) -> KQuan
     out = raw.shape[0]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out, -1, block_bytes)
     return _READERS[type_name](blocks, out, in_features)
+
+
+def fuse_rows(parts: list[KQuantRows]) -> KQuantRows:
+    """The weights stacked along the outputs, in order (one kernel call for a fused module)."""
+    if len({p.codes.shape[1] for p in parts}) != 1:
+        raise ValueError("fused K-quant weights must have the same inputs")
+    return KQuantRows(
+        "+".join(p.type_name for p in parts),
+        max(p.bits for p in parts),
+        np.concatenate([p.off for p in parts]),
+        *(np.concatenate([getattr(p, f) for p in parts]) for f in ("codes", "sc", "d", "dm", "mn")),
+    )
+
+
+def _rows(name: str, codes, sc, d, dm, mn) -> KQuantRows:
+    bits, off = TYPE_BITS_OFFSET[name]
+    return KQuantRows(
+        name, bits, np.full(codes.shape[0], off, dtype=np.uint8), codes, sc, d, dm, mn
+    )
 
 
 def _half(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -159,7 +178,7 @@ def _q5_legacy(blocks: np.ndarray, out: int, n: int, with_m: bool) -> KQuantRows
     mn = np.full((out, nb), 1 if with_m else 0, dtype=np.uint8)
     sc = np.ones((out, n // 16), dtype=np.int8)
     name = "Q5_1" if with_m else "Q5_0"
-    return KQuantRows(name, codes.reshape(out, n), sc, d, dm, mn)
+    return _rows(name, codes.reshape(out, n), sc, d, dm, mn)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -180,7 +199,7 @@ def _k_sub_blocks(blocks: np.ndarray, out: int, n: int, codes: np.ndarray, name:
     sc, mn = _k_scales(blocks[..., 4:16])  # [out, sb, 8]
     d, dmin = _half(blocks, 0), _half(blocks, 2)
     nb = n // BLOCK
-    return KQuantRows(
+    return _rows(
         name,
         codes.reshape(out, n),
         np.repeat(sc.reshape(out, nb), 2, axis=-1).astype(np.int8),
@@ -216,7 +235,7 @@ def _q6_k(blocks: np.ndarray, out: int, n: int) -> KQuantRows:
     codes = low | (high << 4)
     scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)  # [out, sb, 16]
     nb = n // BLOCK
-    return KQuantRows(
+    return _rows(
         "Q6_K",
         codes.reshape(out, n),
         scales.reshape(out, n // 16),

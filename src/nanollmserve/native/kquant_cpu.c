@@ -11,8 +11,9 @@
  *                 mn = the 32-block's 6-bit min, off 0;
  *     Q6_K:       d, sc = the super-block's d and the 16-block's int8 scale, off 32, no m;
  *     Q5_0:       d, sc 1, off 16, no m;            Q5_1: d, sc 1, m = dm, mn 1, off 0.
- * So one kernel runs them all, with the activations of today's block kernels (gguf_cpu.c):
- * each row quantized per block of 32 to int16 with one float scale dx and its exact sum sx.
+ * So one kernel runs them all (`bits` of the widest code, `off` per output), with the
+ * activations of today's block kernels (gguf_cpu.c): each row quantized per block of 32 to
+ * int16 with one float scale dx and its exact sum sx.
  * A block's product for output o is d dx S + dm mn sx, S = sum (sc_h (q - off)) xq, an integer:
  * the sub-scale is multiplied into the widened 16-bit codes once per tile-block (|sc (q - off)|
  * <= 4096 for Q6_K, 1953 for Q5_K), so S is exact in int32 when summed as two accumulators of
@@ -25,7 +26,9 @@
  *   hi[bits-4][16] uint32: bit 2 o + i of word p is bit 4 + k of output o's code for input
  *              2 p + i (p < 8) or 16 + 2 (p - 8) + i: the lanes of the widened pair p;
  *   sc[2][32]  int8: sc[h][2 o + i] = output o's sub-scale of inputs 16 h .. 16 h + 15;
- *   d[16], dm[16] float16; mn[16] uint8; 16 bytes of padding.
+ *   d[16], dm[16] float16; mn[16] uint8; off[16] uint8: output o's code offset.
+ * The offset is per output so that one weight may fuse rows of different types (a Q4_K_M
+ * file's Q4_K attn_q and Q6_K attn_v), the codes at the widest part's bits.
  * Three ISA levels: plain C (`nls_kq_matmul_ref`, the reference twin the vector kernels are
  * tested against, every build has it), AVX2 and AVX-512 VNNI (`nls_kq_matmul`, by the build's
  * flags, as gguf_cpu.c picks its inner loop).
@@ -39,7 +42,7 @@
 
 #include "native.h"
 
-#define KQ_TAIL_BYTES 160 /* sc 64 + d 32 + dm 32 + mn 16 + padding 16 */
+#define KQ_TAIL_BYTES 160 /* sc 64 + d 32 + dm 32 + mn 16 + off 16 */
 
 int64_t nls_kq_tile_block_bytes(int bits) {
     return bits < 4 || bits > 6 ? -1 : 256 + 64 * (bits - 4) + KQ_TAIL_BYTES;
@@ -85,7 +88,7 @@ static inline int kq_code(const uint8_t *tb, int bits, int o, int j) {
 }
 
 /* The same products as the vector kernels, one output and one row at a time. */
-int nls_kq_matmul_ref(int bits, int off, const uint8_t *w, int64_t out, int64_t in, const float *x,
+int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const float *x,
                       int64_t rows, float *y) {
     const int64_t tb_bytes = nls_kq_tile_block_bytes(bits);
     if (tb_bytes < 0 || in <= 0 || in % QK || out < 0 || rows < 0) return NLS_BAD_SHAPE;
@@ -105,6 +108,7 @@ int nls_kq_matmul_ref(int bits, int off, const uint8_t *w, int64_t out, int64_t 
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
                 int32_t s = 0;
+                const int off = tail[144 + ot];
                 for (int j = 0; j < QK; j++) {
                     const int sc = (int8_t)tail[32 * (j >= 16) + 2 * ot + (j & 1)];
                     s += sc * (kq_code(tb, bits, ot, j) - off) * xq[b * QK + j];
@@ -124,9 +128,11 @@ int nls_kq_matmul_ref(int bits, int off, const uint8_t *w, int64_t out, int64_t 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* A tile-block's codes as 16 vectors of 32 int16 lanes (lane 2 o + i: output o, input i of
  * pair p), the sub-scale multiplied in. */
-static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, int off, const uint8_t *tail,
+static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
                                                            __m512i w[16]) {
-    const __m512i low = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16((int16_t)off);
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + 144)); /* lane 2 o + i: off[o] */
+    const __m512i offset = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(off, off), _mm_unpacklo_epi8(off, off)));
     const __m512i sc0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)tail));
     const __m512i sc1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tail + 32)));
     for (int g = 0; g < 8; g++) {
@@ -142,14 +148,14 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
     for (int p = 0; p < 16; p++) w[p] = _mm512_mullo_epi16(_mm512_sub_epi16(w[p], offset), p < 8 ? sc0 : sc1);
 }
 
-static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int off, int64_t in,
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
                          const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
     for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m512i w[16];
-        kq_widen(tb, bits, off, tail, w);
+        kq_widen(tb, bits, tail, w);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 64)));
         const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 96))),
                                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + 128)))));
@@ -168,10 +174,12 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
 }
 #else
 /* AVX2: outputs 0..7 and 8..15 of pair p in w[p][0] and w[p][1] (lanes 2 o' + i). */
-static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, int off, const uint8_t *tail,
+static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
                                                            __m256i w[16][2]) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    const __m256i offset = _mm256_set1_epi16((int16_t)off);
+    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + 144)); /* lane 2 o' + i: off[8 h + o'] */
+    const __m256i offsets[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(off, off)),
+                                _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(off, off))};
     const __m256i lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                                 16384, (int16_t)0x8000);
     for (int g = 0; g < 8; g++)
@@ -193,18 +201,18 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
     for (int p = 0; p < 16; p++)
         for (int h = 0; h < 2; h++) {
             const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tail + 32 * (p >= 8) + 16 * h)));
-            w[p][h] = _mm256_mullo_epi16(_mm256_sub_epi16(w[p][h], offset), sc);
+            w[p][h] = _mm256_mullo_epi16(_mm256_sub_epi16(w[p][h], offsets[h]), sc);
         }
 }
 
-static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int off, int64_t in,
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
                          const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
     memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m256i w[16][2];
-        kq_widen(tb, bits, off, tail, w);
+        kq_widen(tb, bits, tail, w);
         __m256 dw[2], mw[2];
         for (int h = 0; h < 2; h++) {
             dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 64 + 16 * h)));
@@ -241,12 +249,12 @@ int64_t nls_kq_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads)
     return 64 + kq_activation_bytes(in, rows) + (int64_t)num_threads * kq_round_up_64(16 * rows * (int64_t)sizeof(float));
 }
 
-/* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..6, codes offset by `off`).
+/* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..6: the widest code).
  * Returns 0, or NLS_BAD_SHAPE for a bad size, kind or workspace. */
-int nls_kq_matmul(int bits, int off, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
+int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
                   float *y, void *workspace, int64_t workspace_bytes, int num_threads) {
     const int64_t tb_bytes = nls_kq_tile_block_bytes(bits);
-    if (tb_bytes < 0 || off < 0 || off > 32 || in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 ||
+    if (tb_bytes < 0 || in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 ||
         workspace_bytes < nls_kq_matmul_workspace_bytes(in, rows, num_threads))
         return NLS_BAD_SHAPE;
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
@@ -263,7 +271,7 @@ int nls_kq_matmul(int bits, int off, const uint8_t *w, int64_t out, int64_t in, 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
-            kq_tile_rows(w + t * nb * tb_bytes, nb, tb_bytes, bits, off, in, xq, dx, sx, rows, acc);
+            kq_tile_rows(w + t * nb * tb_bytes, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
             for (int64_t r = 0; r < rows; r++)
                 for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
         }

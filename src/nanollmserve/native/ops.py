@@ -203,23 +203,23 @@ _signature("nls_kq_tile_block_bytes", [_int], _i64)
 _signature("nls_kq_matmul_workspace_bytes", [_i64, _i64, _int], _i64)
 _signature(
     "nls_kq_matmul",
-    [_int, _int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
+    [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
     _int,
 )
-_signature("nls_kq_matmul_ref", [_int, _int, _ptr, _i64, _i64, _ptr, _i64, _ptr], _int)
+_signature("nls_kq_matmul_ref", [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr], _int)
 
 
 def kquant_matmul(
     bits: int,
-    off: int,
     tiles: torch.Tensor,
     out_features: int,
     x: torch.Tensor,
     reference: bool = False,
 ) -> torch.Tensor:
     """x [rows, in] (any float dtype, CPU) @ W^T -> float32 [rows, out_features], W being
-    `tiles` of `bits`-bit codes offset by `off` (uint8 [ceil(out / 16), in / 32, tile-block
-    bytes], `KQuantRows.tiled()` of model/gguf_kquants.py). `reference`: the plain-C twin
+    `tiles` of `bits`-bit codes, each output's offset in its tile-block (uint8
+    [ceil(out / 16), in / 32, tile-block bytes], `KQuantRows.tiled()` of
+    model/gguf_kquants.py). `reference`: the plain-C twin
     (`nls_kq_matmul_ref`, one thread) instead of this build's vector kernel."""
     op = "K-quant matmul"
     if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
@@ -250,7 +250,7 @@ def kquant_matmul(
         return out
     if reference:
         status = library.nls_kq_matmul_ref(
-            bits, off, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            bits, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
             out.data_ptr(),
         )  # fmt: skip
     else:
@@ -258,7 +258,7 @@ def kquant_matmul(
         nbytes = library.nls_kq_matmul_workspace_bytes(in_features, rows, threads)
         workspace = MATMUL_WORKSPACE.get(nbytes)
         status = library.nls_kq_matmul(
-            bits, off, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            bits, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
             out.data_ptr(), workspace.data_ptr(), workspace.numel(), threads,
         )  # fmt: skip
     _raise_for(status, f"{op} ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"})
