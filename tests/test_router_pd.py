@@ -291,6 +291,11 @@ def test_without_prefill_workers_or_parameters_the_decode_worker_prefills(router
     answer = _post(router, "/v1/completions", {"prompt": "x"})
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_healthy_worker"
     assert workers.received(workers.all) == []
+    # ... and the router's /health says so: prefill-only workers cannot serve a request.
+    health = httpx.get(f"{router.url}/health", timeout=10)
+    assert health.status_code == 503, health.text
+    message = health.json()["error"]["message"]
+    assert "no healthy decode (or both) worker (2 prefill-only)" in message
 
 
 def test_requests_without_a_phase_one_go_to_decode_workers_only(router, workers) -> None:

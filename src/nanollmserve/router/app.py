@@ -1,6 +1,7 @@
 """`create_router_app(pool, settings)`: the router's FastAPI app.
 
-Its own routes: `GET /health` (200 while at least one worker is healthy, else 503),
+Its own routes: `GET /health` (200 while at least one worker can take a request, else 503;
+under `--policy pd` a prefill-only worker cannot),
 `GET /stats` (`stats.py`), `GET /metrics` (`metrics.py`) and `GET /v1/models` (the workers'
 models, merged). Stored responses (`/v1/responses/{id}`, `previous_response_id`) go to the
 worker that holds them (`response_locator.py`). Every other path and method is forwarded by
@@ -125,15 +126,25 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
 
     @app.get("/health")
     async def health():
+        # Under --policy pd a prefill-only worker cannot answer a request by itself: it
+        # counts as healthy, not as able to serve.
         serving = len(pool.serving())
+        able = sum(policy.serves(w) for w in pool.serving())
         sleeping = sum(w.is_healthy and w.is_sleeping for w in pool.all())
         draining = sum(w.is_healthy and w.is_draining for w in pool.all())
-        if not serving:
-            note = f" ({sleeping} asleep, {draining} drained)" if sleeping or draining else ""
-            return error_response(503, f"no healthy worker{note}", "no_healthy_worker")
+        if not able:
+            notes = [f"{sleeping} asleep"] if sleeping else []
+            notes += [f"{draining} drained"] if draining else []
+            if policy.prefill is not None:
+                prefill_only = sum(not policy.serves(w) for w in pool.serving())
+                notes += [f"{prefill_only} prefill-only"] if prefill_only else []
+            what = "worker" if policy.prefill is None else "decode (or both) worker"
+            note = f" ({', '.join(notes)})" if notes else ""
+            return error_response(503, f"no healthy {what}{note}", "no_healthy_worker")
         return {
             "status": "ok",
             "num_healthy_workers": serving,
+            **({"num_decode_workers": able} if policy.prefill is not None else {}),
             "num_sleeping_workers": sleeping,
             "num_draining_workers": draining,
             "num_workers": len(pool.all()),
