@@ -156,3 +156,37 @@ def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -
         assert (np.abs(got.numpy() - exact) <= bound).all(), t.name
         checked.add(name)
     assert checked == {"Q5_0", "Q4_K", "Q6_K"}
+
+
+@pytest.mark.skipif(
+    quantizer() is None, reason="llama-quantize not built (scripts/peer-llamacpp setup)"
+)
+def test_the_bundled_q4_k_m_file_runs_natively_with_the_dequantized_models_answers(
+    tmp_path: Path, make_llm
+) -> None:
+    """Every linear of llama.cpp's Q4_K_M file of the bundled model runs its own blocks
+    (Q5_0, Q4_K, Q6_K, Q8_0; q/k/v fused across types), the native decode step included, and
+    answers the chats greedily token for token as the dequantized float32 model does."""
+    from torch import nn
+
+    from nanollmserve import SamplingParams
+    from nanollmserve.layers.gguf_linear import GGUFLinear
+
+    env = {**os.environ, "BENCH_MODEL_DIR": str(tmp_path), "BENCH_MODEL_TYPES": "Q4_K_M"}
+    proc = subprocess.run(
+        [str(SCRIPT), "bundled"], capture_output=True, text=True, timeout=240, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    path = str(tmp_path / "smollm2-135m-Q4_K_M.gguf")
+    native = make_llm(model=path, dtype="auto")
+    model = native.engine.loaded.model
+    assert native.engine.loaded.quantization == "gguf"
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, GGUFLinear) for m in model.modules()) == 121
+    assert native.engine.model_runner.native_decode is not None
+    dense = make_llm(model=path, dtype="float32", quantization="none")
+    questions = ("What is the capital of France?", "List three fruits.", "Write a haiku.")
+    chats = [[{"role": "user", "content": c}] for c in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    expected = [list(o.outputs[0].token_ids) for o in dense.chat(chats, params)]
+    assert [list(o.outputs[0].token_ids) for o in native.chat(chats, params)] == expected

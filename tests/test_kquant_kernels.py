@@ -43,13 +43,14 @@ HALF_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6
 """Byte offsets of each type's float16 fields in a file block: random there, except finite."""
 
 
-def random_blocks(type_name: str, out: int, n: int, seed: int) -> np.ndarray:
-    """uint8 [out, bytes]: random block bytes whose float16 fields are finite."""
+def random_blocks(type_name: str, out: int, n: int, seed: int, scale: float = 0.01) -> np.ndarray:
+    """uint8 [out, bytes]: random block bytes whose float16 fields are finite (normal, times
+    `scale`)."""
     rng = np.random.default_rng(seed)
     per_block, block_bytes = {**STORED, **LEGACY}[type_name]
     raw = rng.integers(0, 256, size=(out, n // per_block, block_bytes), dtype=np.uint8)
     for start in HALF_FIELDS[type_name]:
-        halves = (rng.standard_normal((out, n // per_block)) * 0.01).astype(np.float16)
+        halves = (rng.standard_normal((out, n // per_block)) * scale).astype(np.float16)
         raw[..., start : start + 2] = halves[..., None].view(np.uint8)
     return raw.reshape(out, -1)
 

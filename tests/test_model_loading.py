@@ -78,15 +78,20 @@ def write_tiny_gguf(
     block_type: str | None = None,
     tied: bool = True,
     name: str = "tiny",
+    hidden: int = 64,
+    inter: int = 128,
+    raw_blocks: dict[str, tuple[str, np.ndarray]] | None = None,
 ) -> Path:
     """A 2-layer random-weight GGUF with a small byte-level BPE tokenizer (~100 KB): float32
     tensors, or the linear weights in `block_type` blocks (`Q8_0`, `Q4_0`, ...); `qwen2` gets
     q/k/v biases and `qwen3` q/k norms, as those models have; `tied=False` adds an output
-    projection. llama.cpp writes Mistral as `llama` named "mistral"."""
+    projection. llama.cpp writes Mistral as `llama` named "mistral". `raw_blocks`: tensor
+    name -> (block type, uint8 [out, bytes]) written as they are (K-quants, which the `gguf`
+    package cannot quantize)."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    hidden, inter, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, 128
+    layers, heads, kv_heads, vocab = 2, 4, 2, 128
     # transformers reads no head size from a qwen3 file: it takes Qwen3's 128
     head_dim = 128 if architecture == "qwen3" else hidden // heads
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(33, 127)]
@@ -118,7 +123,10 @@ def write_tiny_gguf(
 
     def tensor(name: str, *shape: int, scale: float = 0.2, linear: bool = False) -> None:
         values = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if linear and block_type is not None:
+        if name in (raw_blocks or {}):
+            kind = gguf.GGMLQuantizationType[raw_blocks[name][0]]
+            w.add_tensor(name, raw_blocks[name][1], raw_dtype=kind)
+        elif linear and block_type is not None:
             kind = gguf.GGMLQuantizationType[block_type]
             w.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:

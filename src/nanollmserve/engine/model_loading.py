@@ -135,7 +135,8 @@ def gguf_blocks_to_run(
             return None
         raise UserError(
             f"--quantization {GGUF_METHOD}: {source.gguf_path.name} stores no linear weight as "
-            "Q4_0, Q4_1 or Q8_0 blocks (other block types run dequantized: leave --quantization "
+            "blocks a native kernel runs (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1; "
+            "other block types run dequantized: leave --quantization "
             "unset)"
         )
     return blocks

@@ -5,7 +5,8 @@ float16 constants: `w = d * q + m`) and its embedding table, which is also its o
 projection, as Q8_0 (`w = d * q`, 8-bit codes). These layers keep only those blocks
 (`model/gguf_blocks.py`: nothing is re-quantized, and no dequantized copy is kept), tiled 16
 outputs at a time, and multiply with them through the native kernels (`native/gguf_cpu.c`) at
-every row count: each activation row is quantized to int16 per block of 32 (llama.cpp uses
+every row count (weights in K-quant and 5-bit blocks through `native/kquant_cpu.c`'s kernel,
+`model/gguf_kquants.py`): each activation row is quantized to int16 per block of 32 (llama.cpp uses
 int8, which moved the bundled model's answers; decision 26 in docs/ARCHITECTURE.md), each
 tile's weights are decoded once per block for all rows of the step, and a block's products
 are 16-bit multiply-adds (AVX-512 VNNI `vpdpwssd` where the CPU has it, AVX2 `vpmaddwd`
@@ -27,6 +28,7 @@ from torch import nn
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.quantization import WeightOnlyLinear
 from nanollmserve.model.gguf_blocks import BlockRows, embedding_in_output_blocks
+from nanollmserve.model.gguf_kquants import KQuantTiles
 
 
 class GGUFLinear(WeightOnlyLinear):
@@ -34,12 +36,16 @@ class GGUFLinear(WeightOnlyLinear):
     its float32 bias if any."""
 
     def __init__(
-        self, blocks: BlockRows, bias: torch.Tensor | None, out_features: int, in_features: int
+        self,
+        blocks: BlockRows | KQuantTiles,
+        bias: torch.Tensor | None,
+        out_features: int,
+        in_features: int,
     ) -> None:
         super().__init__(out_features, in_features)
-        if blocks.rows.shape[0] != out_features or blocks.in_features != in_features:
+        if blocks.out_features != out_features or blocks.in_features != in_features:
             raise ValueError(
-                f"blocks for [{blocks.rows.shape[0]}, {blocks.in_features}] do not fit a "
+                f"blocks for [{blocks.out_features}, {blocks.in_features}] do not fit a "
                 f"[{out_features}, {in_features}] weight"
             )
         if bias is not None and (bias.device.type != "cpu" or bias.is_meta):
@@ -61,7 +67,7 @@ class GGUFLinear(WeightOnlyLinear):
         return gguf_matmul(self.kind, self.tiles, self.out_features, x, self.bias)
 
 
-def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows]) -> int:
+def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows | KQuantTiles]) -> int:
     """Replace each linear layer whose weight has blocks (weight name -> `BlockRows`) in place,
     and the output projection when the file has its blocks -> the number of linear layers
     replaced (the output projection not counted).

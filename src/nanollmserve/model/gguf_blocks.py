@@ -17,11 +17,16 @@ transformers undoes it on the floats, so row `i` here is row `i` of the dequanti
 The output projection (`lm_head.weight`) is the file's `output.weight`, or for tied embeddings
 its `token_embd.weight`.
 
-Tensors of other types (K-quants, floats) are not returned: they stay dequantized.
+A fused weight with a part in a K-quant or 5-bit type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) is read
+by `gguf_kquants.py` instead, every part in its own type (legacy parts too), into the K-quant
+kernel's layout (`KQuantTiles`). Tensors of other types (IQ*, TQ*, Q2_K, Q3_K, floats) are not
+returned: their modules stay dequantized, and `warn_without_kernel` names them.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +35,18 @@ import torch
 
 from nanollmserve.errors import UserError
 from nanollmserve.model.gguf_file import GGUFFile, GGUFTensor, read_gguf_file
+from nanollmserve.model.gguf_kquants import (
+    KQUANT_TYPES,
+    LEGACY_TYPES,
+    TYPE_BITS_OFFSET,
+    KQuantTiles,
+    fuse_rows,
+    read_kquant_rows,
+)
 from nanollmserve.model.model_config import ModelConfig
-from nanollmserve.native.abi import BLOCK_SIZE, KIND_Q4, KIND_Q8, TILE_OUTPUTS
+from nanollmserve.native.abi import BLOCK_SIZE, KIND_Q4, KIND_Q8, TILE_OUTPUTS, kquant_kind
+
+logger = logging.getLogger(__name__)
 
 BLOCK_KINDS = {"Q4_0": KIND_Q4, "Q4_1": KIND_Q4, "Q8_0": KIND_Q8}
 """GGUF block types kept quantized -> the kernel kind that runs them."""
@@ -53,6 +68,10 @@ _LAYER_TENSORS = {
 }
 """GGUF tensor `blk.N.<key>.weight` -> (our module under `model.layers.N`, fused shard index)."""
 _ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+_KQUANT_READABLE = {ggml_type: name for name, ggml_type in {**LEGACY_TYPES, **KQUANT_TYPES}.items()}
+"""ggml type id -> name, for every type the K-quant kernel's layout holds."""
+_FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+"""ggml type ids of plain floats: dense weights by nature, not block types without a kernel."""
 
 
 def embedding_in_output_blocks(tied: bool, output_kind: int | None) -> bool:
@@ -70,6 +89,10 @@ class BlockRows:
     """KIND_Q4 or KIND_Q8."""
     rows: torch.Tensor
     """uint8 [out, in / 32 * ROW_BYTES_PER_BLOCK[kind]]."""
+
+    @property
+    def out_features(self) -> int:
+        return self.rows.shape[0]
 
     @property
     def in_features(self) -> int:
@@ -124,19 +147,21 @@ class BlockRows:
         return torch.from_numpy(weights.reshape(out, nb * BLOCK_SIZE))
 
 
-def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRows]:
-    """Our weight name -> its block rows, for every linear weight stored as Q4_0 / Q4_1 / Q8_0
-    whose fused parts all are, of one kind (else the module stays dequantized).
+def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRows | KQuantTiles]:
+    """Our weight name -> its blocks laid out for a native kernel, for every linear weight
+    whose fused parts all have one: `BlockRows` when they are all Q4_0 / Q4_1 or all Q8_0,
+    else `KQuantTiles` when each is a K-quant, 5-bit or legacy type (else the module stays
+    dequantized).
 
-    The file is memory-mapped (`gguf_file.py`) and each weight written once, straight from the
-    map into its fused output rows: no per-tensor Python objects beyond the table, no
+    The file is memory-mapped (`gguf_file.py`) and each legacy weight written once, straight
+    from the map into its fused output rows: no per-tensor Python objects beyond the table, no
     concatenation afterwards."""
     gguf = read_gguf_file(gguf_path)
     permuted = gguf.architecture in _ROTARY_PERMUTED_ARCHITECTURES
     parts: dict[str, dict[int | None, GGUFTensor]] = {}
     for tensor in gguf.tensors.values():
         pieces = tensor.name.split(".", 3)  # blk, layer, key, weight
-        if _block_type(tensor) is None or len(pieces) != 4 or pieces[0] != "blk":
+        if tensor.ggml_type not in _KQUANT_READABLE or len(pieces) != 4 or pieces[0] != "blk":
             continue
         _, layer, key, suffix = pieces
         if suffix == "weight" and key in _LAYER_TENSORS:
@@ -145,40 +170,97 @@ def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRow
     weights = {}
     for name, shards in parts.items():
         expected = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
-        kinds = {BLOCK_KINDS[_block_type(t)] for t in shards.values()}
-        if len(shards) != expected or len(kinds) != 1:
+        if len(shards) != expected:
             continue
         ordered = [shards[i] for i in sorted(shards, key=lambda s: -1 if s is None else s)]
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
         row_heads = [heads.get(t.name.split(".")[2]) if permuted else None for t in ordered]
-        weights[name] = _fused_block_rows(gguf, ordered, row_heads, kinds.pop())
-    output, kind = _output_blocks(gguf, config)
+        weights[name] = _fused_blocks(gguf, ordered, row_heads)
+    output = _output_tensor(gguf, config)
     if output is not None:
-        weights["lm_head.weight"] = _fused_block_rows(gguf, [output], [None], kind)
+        weights["lm_head.weight"] = _fused_blocks(gguf, [output], [None])
     return weights
+
+
+def warn_without_kernel(gguf_path: Path) -> None:
+    """A warning naming the block types of the file's layer weights that no native kernel runs
+    (IQ*, TQ*, Q2_K, Q3_K, ...): their layers (and the rest of a fused module) run dequantized
+    float32 weights. Nothing for a file whose layer weights are all in types the kernels run
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) or plain floats. Reads only the file's
+    tensor table."""
+    counts: Counter[int] = Counter()
+    for tensor in read_gguf_file(gguf_path).tensors.values():
+        pieces = tensor.name.split(".", 3)  # blk, layer, key, weight
+        if len(pieces) != 4 or pieces[0] != "blk" or pieces[3] != "weight":
+            continue
+        native_or_float = tensor.ggml_type in _KQUANT_READABLE or tensor.ggml_type in _FLOAT_TYPES
+        if pieces[2] in _LAYER_TENSORS and not native_or_float:
+            counts[tensor.ggml_type] += 1
+    if not counts:
+        return
+    from gguf import GGMLQuantizationType
+
+    def name(ggml_type: int) -> str:
+        try:
+            return GGMLQuantizationType(ggml_type).name
+        except ValueError:
+            return f"ggml type {ggml_type}"
+
+    listed = ", ".join(f"{n} {name(t)}" for t, n in counts.most_common())
+    logger.warning(
+        "%s: %d layer weights are in block types the native kernels do not run (%s): their "
+        "layers run dequantized float32 weights (native: %s)",
+        *(gguf_path.name, sum(counts.values()), listed, ", ".join(_KQUANT_READABLE.values())),
+    )
 
 
 def output_block_kind(gguf: GGUFFile, config: ModelConfig) -> int | None:
     """The block kind `read_gguf_blocks` gives the output projection, or None when it has no
     blocks."""
-    return _output_blocks(gguf, config)[1]
+    output = _output_tensor(gguf, config)
+    if output is None:
+        return None
+    legacy = _block_type(output)
+    if legacy is not None:
+        return BLOCK_KINDS[legacy]
+    return kquant_kind(TYPE_BITS_OFFSET[_KQUANT_READABLE[output.ggml_type]][0])
 
 
-def _output_blocks(gguf: GGUFFile, config: ModelConfig) -> tuple[GGUFTensor | None, int | None]:
-    """The tensor the output projection runs as blocks and their kind, or (None, None): the
-    file's `output.weight`, or without one, for tied embeddings, the embedding table."""
+def _output_tensor(gguf: GGUFFile, config: ModelConfig) -> GGUFTensor | None:
+    """The tensor the output projection runs as blocks, or None: the file's `output.weight`,
+    or without one, for tied embeddings, the embedding table."""
     name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
     output = gguf.tensors.get(name)
     tied_or_own = name == "output.weight" or config.tie_word_embeddings
-    if output is None or not tied_or_own or _block_type(output) is None:
-        return None, None
-    return output, BLOCK_KINDS[_block_type(output)]
+    if output is None or not tied_or_own or output.ggml_type not in _KQUANT_READABLE:
+        return None
+    return output
 
 
 def _block_type(tensor: GGUFTensor) -> str | None:
     """The tensor's GGUF block type name when it is one the kernels run, else None."""
     name = _GGML_TYPE_NAMES.get(tensor.ggml_type)
     return name if name in BLOCK_KINDS else None
+
+
+def _fused_blocks(
+    gguf: GGUFFile, tensors: list[GGUFTensor], row_heads: list[int | None]
+) -> BlockRows | KQuantTiles:
+    """The tensors as one weight: `BlockRows` when they are all of one legacy kind, else each
+    read in its own type into the K-quant kernel's layout."""
+    kinds = {BLOCK_KINDS.get(_KQUANT_READABLE[t.ggml_type]) for t in tensors}
+    if len(kinds) == 1 and None not in kinds:
+        return _fused_block_rows(gguf, tensors, row_heads, kinds.pop())
+    in_features = tensors[0].shape[-1]
+    if any(t.shape[-1] != in_features or len(t.shape) != 2 for t in tensors):
+        raise UserError(f"GGUF tensors {[t.name for t in tensors]} do not fuse into one weight")
+    rows = []
+    for tensor, heads in zip(tensors, row_heads, strict=True):
+        raw = gguf.raw(tensor.name)
+        if heads is not None:
+            raw = raw[_unpermuted_order(raw.shape[0], heads)]
+        rows.append(read_kquant_rows(_KQUANT_READABLE[tensor.ggml_type], raw, in_features))
+    return fuse_rows(rows).to_tiles()
 
 
 def _fused_block_rows(

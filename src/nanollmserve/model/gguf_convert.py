@@ -117,7 +117,7 @@ def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.T
     """Our parameter name -> float32 tensor, for every tensor of the file that is not a linear
     weight of a decoder layer (those run as blocks): embedding table (unless a tied Q8_0 table
     is looked up in its blocks), norms, attention biases and the output projection of an
-    untied model. Tensors this mapping does not know are left
+    untied model when no kernel runs its blocks. Tensors this mapping does not know are left
     out: the loader then finds a parameter missing and loads the dense weights instead."""
     gguf = read_gguf_file(gguf_path)
     permuted = gguf.architecture in _ROTARY_PERMUTED_ARCHITECTURES
@@ -129,7 +129,8 @@ def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.T
     if not embedding_in_output_blocks(config.tie_word_embeddings, output_block_kind(gguf, config)):
         add("model.embed_tokens.weight", "token_embd.weight")
     add("model.norm.weight", "output_norm.weight")
-    if "output.weight" in gguf.tensors and not config.tie_word_embeddings:
+    untied = "output.weight" in gguf.tensors and not config.tie_word_embeddings
+    if untied and output_block_kind(gguf, config) is None:  # else it runs its blocks
         add("lm_head.weight", "output.weight")
     for layer in range(config.num_layers):
         prefix, ours = f"blk.{layer}.", f"model.layers.{layer}."

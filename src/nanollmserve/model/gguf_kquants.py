@@ -1,5 +1,8 @@
 """The GGUF file's K-quant and 5-bit blocks (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), taken apart into
-integers and laid out for the native kernel that runs them (`native/kquant_cpu.c`).
+integers and laid out for the native kernel that runs them (`native/kquant_cpu.c`). The legacy
+Q4_0, Q4_1 and Q8_0 blocks are read the same way where they share a fused weight with these
+(a Q4_K_M file of a narrow model has Q8_0 attn_v beside Q5_0 attn_q and attn_k); alone they
+run on gguf_cpu.c's own kernels (`gguf_blocks.py`).
 
 Each of these types stands for its weights, per block of 32 inputs of one output row, as
 
@@ -18,7 +21,9 @@ byte map is in kquant_cpu.c's header comment. `fuse_rows` stacks weights of diff
 along the outputs (q/k/v, gate/up of a Q4_K_M file: Q4_K beside Q6_K) into one: the offset
 is per output and the codes take the widest part's bits. A tile-block is 416, 480 or 544
 bytes for 4-, 5- and 6-bit codes (6.5 to 8.5 bits a weight, against the file's 4.5 to 6.6:
-the per-output scales of every 32-block are spelled out).
+the per-output scales of every 32-block are spelled out); a fused weight with a Q8_0 part
+takes 8-bit codes (672 bytes). `KQuantTiles` is that layout as the linear layers and the GGUF
+cache keep it.
 """
 
 from __future__ import annotations
@@ -26,14 +31,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from nanollmserve.native.abi import kquant_kind
 
 BLOCK = 32
 """Inputs per block of the kernel (sub-blocks of the 256-wide K-quant super-blocks)."""
 TILE = 16
 """Outputs per tile (`TILE` of native.h)."""
 KQUANT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-"""GGUF block types this module reads -> their ggml type ids (`GGMLQuantizationType`)."""
+"""The GGUF block types only this module's kernel runs -> their ggml type ids
+(`GGMLQuantizationType`)."""
+LEGACY_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+"""The legacy types it also reads, for weights fused with the types above."""
 TYPE_BITS_OFFSET = {
+    "Q4_0": (4, 8),
+    "Q4_1": (4, 0),
+    "Q8_0": (8, 128),
     "Q5_0": (5, 16),
     "Q5_1": (5, 0),
     "Q4_K": (4, 0),
@@ -42,6 +56,9 @@ TYPE_BITS_OFFSET = {
 }
 """Type -> (code bits, code offset `off`)."""
 STORED = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
     "Q5_0": (32, 22),
     "Q5_1": (32, 24),
     "Q4_K": (256, 144),
@@ -78,6 +95,16 @@ class KQuantRows:
     """float16 [out, in / 32]."""
     mn: np.ndarray
     """uint8 [out, in / 32]."""
+
+    @property
+    def kind(self) -> int:
+        """The native kind of this layout at these code bits (`native.abi.kquant_kind`)."""
+        return kquant_kind(self.bits)
+
+    def to_tiles(self) -> KQuantTiles:
+        """The kernel's layout, as the linear layers keep it."""
+        out, n = self.codes.shape
+        return KQuantTiles(self.kind, out, n, torch.from_numpy(self.tiled()))
 
     def dequantize(self) -> np.ndarray:
         """float32 [out, in]: the weights these numbers stand for."""
@@ -123,11 +150,25 @@ class KQuantRows:
         return np.ascontiguousarray(np.concatenate(parts, axis=2))
 
 
+@dataclass
+class KQuantTiles:
+    """One weight in kquant_cpu.c's layout, as `GGUFLinear` and the GGUF cache hold it."""
+
+    kind: int
+    out_features: int
+    in_features: int
+    tiles: torch.Tensor
+    """uint8 [ceil(out / 16), in / 32, tile-block bytes] (`KQuantRows.tiled()`)."""
+
+    def tiled(self) -> torch.Tensor:
+        return self.tiles
+
+
 def read_kquant_rows(type_name: str, raw: np.ndarray, in_features: int) -> KQuantRows:
     """The file's bytes of a weight (uint8 [out, in / per-block * bytes-per-block]) taken
     apart; ValueError for a type this module does not read or a shape that does not fit."""
-    if type_name not in KQUANT_TYPES:
-        raise ValueError(f"{type_name} is not one of {', '.join(KQUANT_TYPES)}")
+    if type_name not in _READERS:
+        raise ValueError(f"{type_name} is not one of {', '.join(_READERS)}")
     per_block, block_bytes = STORED[type_name]
     if in_features % per_block or raw.shape[-1] != in_features // per_block * block_bytes:
         raise ValueError(
@@ -178,6 +219,22 @@ def _q5_legacy(blocks: np.ndarray, out: int, n: int, with_m: bool) -> KQuantRows
     mn = np.full((out, nb), 1 if with_m else 0, dtype=np.uint8)
     sc = np.ones((out, n // 16), dtype=np.int8)
     name = "Q5_1" if with_m else "Q5_0"
+    return _rows(name, codes.reshape(out, n), sc, d, dm, mn)
+
+
+def _legacy(blocks: np.ndarray, out: int, n: int, name: str) -> KQuantRows:
+    """Q4_0 (d (q - 8)), Q4_1 (d q + m), Q8_0 (d q, q signed: stored as q + 128, off 128)."""
+    nb = n // BLOCK
+    d = _half(blocks, 0)
+    if name == "Q8_0":
+        codes = blocks[..., 2:34] ^ np.uint8(0x80)
+    else:
+        qs = blocks[..., 4:20] if name == "Q4_1" else blocks[..., 2:18]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    with_m = name == "Q4_1"
+    dm = _half(blocks, 2) if with_m else np.zeros((out, nb), dtype=np.float16)
+    mn = np.full((out, nb), 1 if with_m else 0, dtype=np.uint8)
+    sc = np.ones((out, n // 16), dtype=np.int8)
     return _rows(name, codes.reshape(out, n), sc, d, dm, mn)
 
 
@@ -246,6 +303,9 @@ def _q6_k(blocks: np.ndarray, out: int, n: int) -> KQuantRows:
 
 
 _READERS = {
+    "Q4_0": lambda b, out, n: _legacy(b, out, n, "Q4_0"),
+    "Q4_1": lambda b, out, n: _legacy(b, out, n, "Q4_1"),
+    "Q8_0": lambda b, out, n: _legacy(b, out, n, "Q8_0"),
     "Q5_0": lambda b, out, n: _q5_legacy(b, out, n, with_m=False),
     "Q5_1": lambda b, out, n: _q5_legacy(b, out, n, with_m=True),
     "Q4_K": _q4_k,

@@ -18,10 +18,34 @@ KIND_Q4 = 4
 """4-bit codes with per-block `d` and `m` (from Q4_0 or Q4_1)."""
 KIND_Q8 = 8
 """8-bit codes with a per-block `d` (from Q8_0)."""
+KIND_KQ4 = 44
+"""The first kind of kquant_cpu.c's layout: KIND_KQ4 + (bits - 4) for 4- to 8-bit codes (the
+K-quants, Q5_0/Q5_1, and legacy blocks fused with them: `model/gguf_kquants.py`)."""
+KIND_KQ8 = 48
+KQUANT_KINDS = range(KIND_KQ4, KIND_KQ8 + 1)
 TILE_OUTPUTS = 16
 """Outputs per tile of the kernels' weight layout (`TILE`; `BlockRows.tiled`)."""
-TILE_BLOCK_BYTES = {KIND_Q4: 320, KIND_Q8: 544}
-"""Bytes of one tile-block (16 outputs x 32 inputs) of each kind."""
+TILE_BLOCK_BYTES = {
+    KIND_Q4: 320,
+    KIND_Q8: 544,
+    **{kind: 256 + 64 * (kind - KIND_KQ4) + 160 for kind in KQUANT_KINDS},
+}
+"""Bytes of one tile-block (16 outputs x 32 inputs) of each kind (`nls_kq_tile_block_bytes`
+for the K-quant kinds)."""
+
+
+def kquant_kind(bits: int) -> int:
+    """The kind of kquant_cpu.c's layout with `bits`-bit codes (4 to 8)."""
+    if not 4 <= bits <= 8:
+        raise ValueError(f"K-quant codes are 4 to 8 bits, not {bits}")
+    return KIND_KQ4 + bits - 4
+
+
+def kquant_bits(kind: int) -> int | None:
+    """The code width of a K-quant kind, or None for another kind."""
+    return kind - KIND_KQ4 + 4 if kind in KQUANT_KINDS else None
+
+
 MAX_HEAD_DIM = 256
 """The largest head size the attention kernels hold in their accumulators."""
 DECODE_PHASES = ("other", "qkv", "rope_kv_write", "attention", "o", "gate_up", "down", "lm_head")
@@ -112,6 +136,8 @@ def expected_abi() -> dict[str, int]:
         "TILE": TILE_OUTPUTS,
         "KIND_Q4": KIND_Q4,
         "KIND_Q8": KIND_Q8,
+        "KIND_KQ4": KIND_KQ4,
+        "KIND_KQ8": KIND_KQ8,
         "TILE_BLOCK_BYTES_Q4": TILE_BLOCK_BYTES[KIND_Q4],
         "TILE_BLOCK_BYTES_Q8": TILE_BLOCK_BYTES[KIND_Q8],
         "MAX_HEAD_DIM": MAX_HEAD_DIM,

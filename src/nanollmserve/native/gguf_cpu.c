@@ -423,6 +423,10 @@ static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int
  * loop; it ends in a barrier). `acc`: this thread's room for 32 floats a row. */
 static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y, uint8_t *amx_work) {
+    if (kq_kind_bits(kind)) {
+        nls_kq_matmul_shared(kq_kind_bits(kind), w, out, in, xq, dx, sx, rows, acc, y);
+        return;
+    }
 #if NLS_HAS_AMX
     if (amx_work != NULL && rows >= AMX_STEP_MIN_ROWS) {
         nls_amx_matmul_shared(kind, w, out, in, xq, dx, sx, rows, NULL, y, amx_work);
@@ -942,6 +946,7 @@ typedef struct {
 int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
     const nls_abi_entry entries[] = {
         ABI_CONSTANT(QK), ABI_CONSTANT(TILE), ABI_CONSTANT(KIND_Q4), ABI_CONSTANT(KIND_Q8),
+        ABI_CONSTANT(KIND_KQ4), ABI_CONSTANT(KIND_KQ8),
         {"TILE_BLOCK_BYTES_Q4", tile_block_bytes(KIND_Q4)}, {"TILE_BLOCK_BYTES_Q8", tile_block_bytes(KIND_Q8)},
         ABI_CONSTANT(MAX_HEAD_DIM), ABI_CONSTANT(NLS_PHASES),
         ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),

@@ -45,7 +45,7 @@
 #define KQ_TAIL_BYTES 160 /* sc 64 + d 32 + dm 32 + mn 16 + off 16 */
 
 int64_t nls_kq_tile_block_bytes(int bits) {
-    return bits < 4 || bits > 6 ? -1 : 256 + 64 * (bits - 4) + KQ_TAIL_BYTES;
+    return bits < 4 || bits > 8 ? -1 : 256 + 64 * (bits - 4) + KQ_TAIL_BYTES;
 }
 
 static inline float half_to_float(const uint8_t *p) {
@@ -249,7 +249,19 @@ int64_t nls_kq_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads)
     return 64 + kq_activation_bytes(in, rows) + (int64_t)num_threads * kq_round_up_64(16 * rows * (int64_t)sizeof(float));
 }
 
-/* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..6: the widest code).
+void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                          const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK, tiles = (out + TILE - 1) / TILE;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
+        kq_tile_rows(w + t * nb * tb_bytes, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
+        for (int64_t r = 0; r < rows; r++)
+            for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
+    }
+}
+
+/* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..8: the widest code).
  * Returns 0, or NLS_BAD_SHAPE for a bad size, kind or workspace. */
 int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
                   float *y, void *workspace, int64_t workspace_bytes, int num_threads) {

@@ -15,9 +15,22 @@
 #define QK 32
 #define KIND_Q4 4
 #define KIND_Q8 8
+/* Weights in kquant_cpu.c's layout (the K-quants, Q5_0/Q5_1, and legacy blocks fused with
+ * them), one kind per code width: KIND_KQ4 + (bits - 4) for 4..8-bit codes. */
+#define KIND_KQ4 44
+#define KIND_KQ8 48
 #define TILE 16 /* outputs per tile of the block kernels' weight layout (gguf_cpu.c) */
 
 static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 : 544; }
+/* The code width of a K-quant kind, or 0 for any other kind. */
+static inline int kq_kind_bits(int kind) { return kind >= KIND_KQ4 && kind <= KIND_KQ8 ? kind - KIND_KQ4 + 4 : 0; }
+int64_t nls_kq_tile_block_bytes(int bits);
+/* y[r * out + o] = (W x_r)[o] for `rows` activation rows quantized as the decode step does
+ * (row r at xq + r * in), W in kquant_cpu.c's layout of `bits`-bit codes: the tiles shared
+ * among the threads of the enclosing parallel region (an orphaned loop ending in a barrier).
+ * `acc`: this thread's room for 16 floats a row. */
+void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                          const float *dx, const float *sx, int64_t rows, float *acc, float *y);
 
 /* 0 when this process may use AMX tiles: Linux grants the tile state per process, and the
  * `amx` build asks for it (amx_cpu.c); other builds have nothing to ask and answer 0. */

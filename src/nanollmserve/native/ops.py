@@ -51,6 +51,7 @@ from nanollmserve.native.abi import (
     abi_differences,
     expected_abi,
     head_limits,
+    kquant_bits,
     library_abi,
 )
 from nanollmserve.native.build import NativeUnavailable, build_library, isa_level
@@ -148,7 +149,7 @@ def gguf_matmul(
 ) -> torch.Tensor:
     """x [rows, in] (any float dtype, CPU) @ W^T (+ bias) -> float32 [rows, out_features],
     W being `tiles` (uint8 [ceil(out / 16), in / 32, tile-block bytes of `kind`],
-    `BlockRows.tiled()`)."""
+    `BlockRows.tiled()`, or for a K-quant kind `KQuantRows.tiled()`)."""
     op = "GGUF matmul"
     if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
         raise ValueError(
@@ -180,6 +181,10 @@ def gguf_matmul(
             f"{op}: bias {list(bias.shape)} ({bias.dtype}, {bias.device}) is not float32 "
             f"[{out_features}] on the CPU"
         )
+    bits = kquant_bits(kind)
+    if bits is not None:  # kquant_cpu.c's layout: its own entry point, the bias added after
+        out = kquant_matmul(bits, tiles, out_features, x)
+        return out if bias is None else out.add_(bias)
     x = x.float().contiguous()
     out = torch.empty(rows, out_features)
     if rows == 0:
