@@ -635,6 +635,40 @@ def check_retracted_boxes(errors: list[str], milestones: dict[str, tuple[Path, s
             errors.append(f"{rel(path)}:{number}: {message}")
 
 
+BLOCK_TYPE_PAGE = "docs/features/quantization.md"
+BLOCK_TYPE_ROW_RE = re.compile(r"^\| ([A-Z0-9_*, ]+?) \| (native|falls back)\b", re.M)
+
+
+def block_type_problems(text: str, native: set[str]) -> list[str]:
+    """The "GGUF block types" table against the code: each type of a "native" row is one a
+    kernel runs (`native` from model/gguf_kquants.py) and every such type has a native row;
+    no "falls back" row names one."""
+    problems, listed = [], set()
+    for names, verdict in BLOCK_TYPE_ROW_RE.findall(text):
+        types = {name.strip() for name in names.split(",")}
+        if verdict == "native":
+            listed |= types
+            problems += [f"{t} is listed native, but no kernel runs it" for t in types - native]
+        else:
+            problems += [
+                f"{t} is listed as falling back, but a kernel runs it" for t in types & native
+            ]
+    problems += [f"{t} runs natively, but the table does not list it" for t in native - listed]
+    return [f"{BLOCK_TYPE_PAGE}: {p}" for p in sorted(problems)]
+
+
+def check_block_types(errors: list[str]) -> None:
+    page = ROOT / BLOCK_TYPE_PAGE
+    if not page.is_file():
+        return
+    sys.path.insert(0, str(ROOT / "src"))
+    try:
+        from nanollmserve.model.gguf_kquants import KQUANT_TYPES, LEGACY_TYPES
+    finally:
+        sys.path.pop(0)
+    errors.extend(block_type_problems(page.read_text(), {*KQUANT_TYPES, *LEGACY_TYPES}))
+
+
 def main(argv: list[str]) -> int:
     global ROOT
     if argv:
@@ -655,6 +689,7 @@ def main(argv: list[str]) -> int:
     check_retracted_boxes(errors, milestones)
     check_perf_glance(errors)
     check_headline_numbers(errors)
+    check_block_types(errors)
     for error in errors:
         print(f"check_docs: {error}")
     if errors:

@@ -102,3 +102,24 @@ def test_a_headline_number_names_its_commit_cpu_kernels_and_peer_flags() -> None
     assert check_docs.headline_problems(complete) == []
     table_row = "| c32 | **4.60x** |\n"  # tables are the generated or recorded ones
     assert check_docs.headline_problems(table_row) == []
+
+
+def test_the_block_type_table_follows_the_kernels() -> None:
+    """docs/features/quantization.md's GGUF block types against the types a kernel runs: the
+    committed page passes; the page as it was before the K-quants reached the load path
+    (Q4_K ... "falls back") fails, and so does a table missing a native type."""
+    from nanollmserve.model.gguf_kquants import KQUANT_TYPES, LEGACY_TYPES
+
+    native = {*KQUANT_TYPES, *LEGACY_TYPES}
+    page = (ROOT / check_docs.BLOCK_TYPE_PAGE).read_text()
+    assert check_docs.block_type_problems(page, native) == []
+    old = (
+        "| Q4_0, Q4_1, Q8_0 | native: the tiled block kernels |\n"
+        "| Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 | falls back (dequantized weights) |\n"
+    )
+    problems = check_docs.block_type_problems(old, native)
+    assert any("Q4_K is listed as falling back" in p for p in problems), problems
+    assert any("Q6_K runs natively, but the table does not list it" in p for p in problems)
+    assert check_docs.block_type_problems("| Q4_0, IQ4_XS | native |\n", {"Q4_0"}) == [
+        f"{check_docs.BLOCK_TYPE_PAGE}: IQ4_XS is listed native, but no kernel runs it"
+    ]

@@ -69,7 +69,7 @@ def test_bundled_first_start_writes_no_dense_weights_and_answers_as_before(
     names = {p.name for p in entry.iterdir()}
     assert "model.safetensors" not in names
     assert not any(name.startswith("nanollmserve-fused-") for name in names)
-    assert {"gguf-blocks-v2.safetensors", "gguf-unblocked-v3.safetensors"} <= names
+    assert {"gguf-blocks-v3.safetensors", "gguf-unblocked-v3.safetensors"} <= names
     # No float32 copy of a linear weight, nor of the tied Q8_0 embedding table (looked up in
     # the output projection's blocks): the float32 tensors are the norms.
     written = float32_tensors(entry)

@@ -60,9 +60,9 @@ __all__ = [
 CONVERSION_VERSION = 2
 """Bump when the conversion output changes, so old cache entries are not reused.
 (2: an entry starts with the model files only; the weights are written as loads need them.)"""
-GGUF_BLOCKS_VERSION = 2
+GGUF_BLOCKS_VERSION = 3
 """Bump when the block row layout changes (the file name carries it). 2: K-quant weights
-(stored tiled) and their shapes."""
+(stored tiled) and their shapes; 3: their sub-scales stored once per output."""
 UNBLOCKED_VERSION = 3
 """Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it).
 (2: no float32 embedding table when a tied Q8_0 table is looked up in its blocks.)"""
@@ -308,6 +308,7 @@ def _cached_tensors(path: Path, what: str, build) -> tuple[dict, dict]:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        del tensors  # read back from the map below: never the blocks in memory twice
         logger.info("%s into %s: %.1f s", what, path.name, time.perf_counter() - start)
     check_trusted(path)
     with safe_open(path, framework="pt") as f:

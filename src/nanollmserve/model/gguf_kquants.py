@@ -19,10 +19,10 @@ per block of 32 inputs their low nibbles (gguf_cpu.c's Q4 arrangement), the high
 as one 32-bit mask per widened input pair, the sub-scales, `d`, `dm`, `mn` and `off`; the
 byte map is in kquant_cpu.c's header comment. `fuse_rows` stacks weights of different types
 along the outputs (q/k/v, gate/up of a Q4_K_M file: Q4_K beside Q6_K) into one: the offset
-is per output and the codes take the widest part's bits. A tile-block is 416, 480 or 544
-bytes for 4-, 5- and 6-bit codes (6.5 to 8.5 bits a weight, against the file's 4.5 to 6.6:
-the per-output scales of every 32-block are spelled out); a fused weight with a Q8_0 part
-takes 8-bit codes (672 bytes). `KQuantTiles` is that layout as the linear layers and the GGUF
+is per output and the codes take the widest part's bits. A tile-block is 384, 448 or 512
+bytes for 4-, 5- and 6-bit codes (6 to 8 bits a weight, against the file's 4.5 to 6.6: the
+per-output scales of every 32-block are spelled out); a fused weight with a Q8_0 part takes
+8-bit codes (640 bytes). `KQuantTiles` is that layout as the linear layers and the GGUF
 cache keep it.
 """
 
@@ -66,7 +66,7 @@ STORED = {
     "Q6_K": (256, 210),
 }
 """Type -> (weights per file block, bytes per file block)."""
-_TAIL_BYTES = 160
+_TAIL_BYTES = 128
 
 
 def tile_block_bytes(bits: int) -> int:
@@ -132,14 +132,14 @@ class KQuantRows:
         low, high = codes[..., :16] & 15, codes[..., 16:] & 15  # [t, o, b, 16]
         nib = (low | (high << 4)).reshape(tiles, TILE, nb, 8, 2).transpose(0, 2, 3, 1, 4)
         parts = [nib.reshape(tiles, nb, 256)]
-        lane_weights = np.left_shift(np.uint64(1), np.arange(32, dtype=np.uint64))
         for k in range(self.bits - 4):
             bit = ((codes >> (4 + k)) & 1).reshape(tiles, TILE, nb, 16, 2)  # input 2p + i
-            lanes = bit.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 16, 32).astype(np.uint64)
-            words = (lanes * lane_weights).sum(axis=-1).astype("<u4")
-            parts.append(words.view(np.uint8).reshape(tiles, nb, 64))
+            lanes = bit.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 16, 32)
+            # lane j -> bit j of a little-endian 32-bit word
+            words = np.packbits(lanes, axis=-1, bitorder="little")
+            parts.append(words.reshape(tiles, nb, 64))
         sc = padded(self.sc).reshape(tiles, TILE, nb, 2).transpose(0, 2, 3, 1)  # [t, b, h, o]
-        parts.append(np.repeat(sc, 2, axis=-1).reshape(tiles, nb, 64).view(np.uint8))
+        parts.append(np.ascontiguousarray(sc).reshape(tiles, nb, 32).view(np.uint8))
 
         def per_tile(a: np.ndarray) -> np.ndarray:  # [rows, nb] -> [t, nb, 16 * itemsize]
             a = padded(a).reshape(tiles, TILE, nb).transpose(0, 2, 1)

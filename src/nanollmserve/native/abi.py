@@ -28,7 +28,7 @@ TILE_OUTPUTS = 16
 TILE_BLOCK_BYTES = {
     KIND_Q4: 320,
     KIND_Q8: 544,
-    **{kind: 256 + 64 * (kind - KIND_KQ4) + 160 for kind in KQUANT_KINDS},
+    **{kind: 256 + 64 * (kind - KIND_KQ4) + 128 for kind in KQUANT_KINDS},
 }
 """Bytes of one tile-block (16 outputs x 32 inputs) of each kind (`nls_kq_tile_block_bytes`
 for the K-quant kinds)."""

@@ -25,7 +25,8 @@
  *              input 16 + 2 g + i in its high one (low 4 bits of each code; gguf_cpu.c's Q4);
  *   hi[bits-4][16] uint32: bit 2 o + i of word p is bit 4 + k of output o's code for input
  *              2 p + i (p < 8) or 16 + 2 (p - 8) + i: the lanes of the widened pair p;
- *   sc[2][32]  int8: sc[h][2 o + i] = output o's sub-scale of inputs 16 h .. 16 h + 15;
+ *   sc[2][16]  int8: sc[h][o] = output o's sub-scale of inputs 16 h .. 16 h + 15 (widened to
+ *              the lanes 2 o + i in registers);
  *   d[16], dm[16] float16; mn[16] uint8; off[16] uint8: output o's code offset.
  * The offset is per output so that one weight may fuse rows of different types (a Q4_K_M
  * file's Q4_K attn_q and Q6_K attn_v), the codes at the widest part's bits.
@@ -42,7 +43,11 @@
 
 #include "native.h"
 
-#define KQ_TAIL_BYTES 160 /* sc 64 + d 32 + dm 32 + mn 16 + off 16 */
+#define KQ_TAIL_BYTES 128 /* sc 32 + d 32 + dm 32 + mn 16 + off 16 */
+#define KQ_D 32
+#define KQ_DM 64
+#define KQ_MN 96
+#define KQ_OFF 112
 
 int64_t nls_kq_tile_block_bytes(int bits) {
     return bits < 4 || bits > 8 ? -1 : 256 + 64 * (bits - 4) + KQ_TAIL_BYTES;
@@ -108,13 +113,13 @@ int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
                 int32_t s = 0;
-                const int off = tail[144 + ot];
+                const int off = tail[KQ_OFF + ot];
                 for (int j = 0; j < QK; j++) {
-                    const int sc = (int8_t)tail[32 * (j >= 16) + 2 * ot + (j & 1)];
+                    const int sc = (int8_t)tail[16 * (j >= 16) + ot];
                     s += sc * (kq_code(tb, bits, ot, j) - off) * xq[b * QK + j];
                 }
-                const float d = half_to_float(tail + 64 + 2 * ot), dm = half_to_float(tail + 96 + 2 * ot);
-                acc += d * dx[b] * (float)s + dm * (float)tail[128 + ot] * sx[b];
+                const float d = half_to_float(tail + KQ_D + 2 * ot), dm = half_to_float(tail + KQ_DM + 2 * ot);
+                acc += d * dx[b] * (float)s + dm * (float)tail[KQ_MN + ot] * sx[b];
             }
             y[r * out + o] = acc;
         }
@@ -131,10 +136,11 @@ int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const
 static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
                                                            __m512i w[16]) {
     const __m512i low = _mm512_set1_epi16(0x0F);
-    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + 144)); /* lane 2 o + i: off[o] */
+    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o + i: off[o] */
     const __m512i offset = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(off, off), _mm_unpacklo_epi8(off, off)));
-    const __m512i sc0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)tail));
-    const __m512i sc1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(tail + 32)));
+    const __m128i s0 = _mm_loadu_si128((const __m128i *)tail), s1 = _mm_loadu_si128((const __m128i *)(tail + 16));
+    const __m512i sc0 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s0), _mm_unpacklo_epi8(s0, s0)));
+    const __m512i sc1 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s1, s1), _mm_unpacklo_epi8(s1, s1)));
     for (int g = 0; g < 8; g++) {
         const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * g)));
         w[g] = _mm512_and_si512(c, low);
@@ -156,9 +162,9 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m512i w[16];
         kq_widen(tb, bits, tail, w);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 64)));
-        const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 96))),
-                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + 128)))));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
+        const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
             __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
@@ -177,7 +183,7 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
 static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
                                                            __m256i w[16][2]) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + 144)); /* lane 2 o' + i: off[8 h + o'] */
+    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o' + i: off[8 h + o'] */
     const __m256i offsets[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(off, off)),
                                 _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(off, off))};
     const __m256i lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
@@ -200,7 +206,8 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
     }
     for (int p = 0; p < 16; p++)
         for (int h = 0; h < 2; h++) {
-            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tail + 32 * (p >= 8) + 16 * h)));
+            const __m128i s = _mm_loadl_epi64((const __m128i *)(tail + 16 * (p >= 8) + 8 * h));
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s)); /* lane 2 o' + i: sc[8 h + o'] */
             w[p][h] = _mm256_mullo_epi16(_mm256_sub_epi16(w[p][h], offsets[h]), sc);
         }
 }
@@ -215,9 +222,9 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
         kq_widen(tb, bits, tail, w);
         __m256 dw[2], mw[2];
         for (int h = 0; h < 2; h++) {
-            dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 64 + 16 * h)));
-            mw[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 96 + 16 * h))),
-                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 128 + 8 * h)))));
+            dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_D + 16 * h)));
+            mw[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_DM + 16 * h))),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + KQ_MN + 8 * h)))));
         }
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
