@@ -178,6 +178,45 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
         }
     }
 }
+
+/* A few rows against one tile with every row's 16 sums in registers across the blocks (the
+ * tile-block widened once per block for them all): the operations of kq_tile_rows in the same
+ * order, so the same numbers, without its accumulator loads and stores (gguf_cpu.c's
+ * tile_times_few_rows does the same for the legacy kinds). `ROWS` is a compile-time constant
+ * at each call, so the row loops unroll. */
+#define KQ_FEW_ROWS 5
+#define KQ_HAS_FEW_ROWS 1
+static inline __attribute__((always_inline)) void kq_tile_few_rows(
+    const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in, const int16_t *xq,
+    const float *dx, const float *sx, const int ROWS, float *y, int64_t ldy, int valid) {
+    __m512 acc[KQ_FEW_ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
+        _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
+        __m512i w[16];
+        kq_widen(tb, bits, tail, w);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
+        const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
+        for (int r = 0; r < ROWS; r++) {
+            const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+            for (int p = 0; p < 16; p += 2) {
+                a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
+                a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
+            }
+            const __m512 s = _mm512_add_ps(_mm512_cvtepi32_ps(a0), _mm512_cvtepi32_ps(a1));
+            const __m512 yr = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), yr);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        float total[TILE];
+        _mm512_storeu_ps(total, acc[r]);
+        for (int j = 0; j < valid; j++) y[r * ldy + j] = total[j];
+    }
+}
 #else
 /* AVX2: outputs 0..7 and 8..15 of pair p in w[p][0] and w[p][1] (lanes 2 o' + i). */
 static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
@@ -242,6 +281,7 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
         }
     }
 }
+#define KQ_HAS_FEW_ROWS 0
 #endif
 
 static inline int64_t kq_round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
@@ -256,16 +296,43 @@ int64_t nls_kq_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads)
     return 64 + kq_activation_bytes(in, rows) + (int64_t)num_threads * kq_round_up_64(16 * rows * (int64_t)sizeof(float));
 }
 
+/* Tile `t` against `rows` quantized rows -> y[r * out + t * 16 + j], j < the tile's valid
+ * outputs: up to 2 * KQ_FEW_ROWS rows in register groups (AVX-512), more through `acc`
+ * (16 floats a row). */
+static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t in, const int16_t *xq,
+                    const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK;
+    const uint8_t *tile = w + t * nb * tb_bytes;
+    const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
+#if KQ_HAS_FEW_ROWS
+    if (rows <= 2 * KQ_FEW_ROWS) {
+        for (int64_t r0 = 0; r0 < rows;) {
+            const int64_t left = rows - r0, group = left > KQ_FEW_ROWS ? (left + 1) / 2 : left;
+            const int16_t *x = xq + r0 * in;
+            const float *d = dx + r0 * nb, *s = sx + r0 * nb;
+            float *yt = y + r0 * out + t * TILE;
+            switch (group) {
+            case 1: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 1, yt, out, valid); break;
+            case 2: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 2, yt, out, valid); break;
+            case 3: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 3, yt, out, valid); break;
+            case 4: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 4, yt, out, valid); break;
+            default: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 5, yt, out, valid); break;
+            }
+            r0 += group;
+        }
+        return;
+    }
+#endif
+    kq_tile_rows(tile, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
+}
+
 void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
-    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK, tiles = (out + TILE - 1) / TILE;
+    const int64_t tiles = (out + TILE - 1) / TILE;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
-        kq_tile_rows(w + t * nb * tb_bytes, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
-        for (int64_t r = 0; r < rows; r++)
-            for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
-    }
+    for (int64_t t = 0; t < tiles; t++) kq_tile(bits, w, t, out, in, xq, dx, sx, rows, acc, y);
 }
 
 /* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..8: the widest code).
@@ -276,7 +343,7 @@ int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const flo
     if (tb_bytes < 0 || in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 ||
         workspace_bytes < nls_kq_matmul_workspace_bytes(in, rows, num_threads))
         return NLS_BAD_SHAPE;
-    const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
+    const int64_t nb = in / QK;
     uint8_t *base = (uint8_t *)(((uintptr_t)workspace + 63) / 64 * 64);
     int16_t *xq = (int16_t *)base;
     float *dx = (float *)(xq + rows * in), *sx = dx + rows * nb;
@@ -287,13 +354,7 @@ int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const flo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) kq_quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
         float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * acc_bytes);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
-            kq_tile_rows(w + t * nb * tb_bytes, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
-            for (int64_t r = 0; r < rows; r++)
-                for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
-        }
+        nls_kq_matmul_shared(bits, w, out, in, xq, dx, sx, rows, acc, y);
     }
     return 0;
 }
