@@ -44,6 +44,16 @@ def test_sliding_windows_score_every_token_after_the_first_once():
         perplexity.sliding_windows(10, window=8, stride=9)
 
 
+def test_llamacpp_chunks_score_the_second_half_of_each_chunk_as_llama_perplexity_does():
+    """llama-perplexity -c 16 over 40 tokens: two chunks (the tail of 8 is dropped), each
+    scoring its logits at positions 8..14, i.e. targets 9..15 of the chunk."""
+    windows = perplexity.llamacpp_chunks(NUM_TOKENS, window=16)
+    assert [(w.start, w.end, w.score_from) for w in windows] == [(0, 16, 9), (16, 32, 25)]
+    assert windows[0].rows == (8, 15)
+    with pytest.raises(ValueError):
+        perplexity.llamacpp_chunks(10, window=16)
+
+
 def test_perplexity_and_kl_match_cross_entropy_on_transformers_logits(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(perplexity, "ROW_CHUNK", 5)  # several logits chunks per window
     hf_a = make_tiny_hf_model(LlamaConfig, tmp_path / "a", seed=0)
@@ -55,7 +65,8 @@ def test_perplexity_and_kl_match_cross_entropy_on_transformers_logits(tmp_path: 
     ids = torch.randint(
         0, TINY["vocab_size"], (NUM_TOKENS,), generator=torch.Generator().manual_seed(5)
     )
-    totals = perplexity.score(ours, ids.tolist(), window=16, stride=8, reference="a")
+    windows = perplexity.sliding_windows(NUM_TOKENS, window=16, stride=8)
+    totals = perplexity.score(ours, ids.tolist(), windows, reference="a")
 
     # Independently: transformers' logits of each window, the same hand-written windows.
     nll = {"a": 0.0, "b": 0.0}
@@ -84,7 +95,7 @@ def test_perplexity_and_kl_match_cross_entropy_on_transformers_logits(tmp_path: 
 
     # transformers' model as a scorer gives the same numbers.
     hf_totals = perplexity.score(
-        {"a": perplexity.hf_scorer(hf_a)}, ids.tolist(), window=16, stride=8, reference="a"
+        {"a": perplexity.hf_scorer(hf_a)}, ids.tolist(), windows, reference="a"
     )
     assert hf_totals["a"].perplexity == pytest.approx(totals["a"].perplexity, rel=1e-4)
 

@@ -76,6 +76,18 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
     return windows
 
 
+def llamacpp_chunks(num_tokens: int, window: int) -> list[Window]:
+    """llama.cpp's `llama-perplexity` windows: non-overlapping chunks of `window` tokens, each
+    scoring the predictions of its second half (logits at positions window / 2 .. window - 2,
+    so targets window / 2 + 1 .. window - 1); a tail shorter than a chunk is not scored."""
+    if window < 4:
+        raise ValueError(f"need a window of at least 4 tokens, got {window}")
+    if num_tokens < window:
+        raise ValueError(f"need at least one chunk of {window} tokens, got {num_tokens}")
+    first = window // 2 + 1
+    return [Window(s, s + window, s + first) for s in range(0, num_tokens - window + 1, window)]
+
+
 @dataclass
 class ScoreTotals:
     """Running sums over the scored positions of one model."""
@@ -108,18 +120,17 @@ class ScoreTotals:
 def score(
     scorers: dict[str, Scorer],
     token_ids: list[int],
-    window: int,
-    stride: int,
+    windows: list[Window],
     reference: str,
     on_window: Callable[[int, int], None] | None = None,
 ) -> dict[str, ScoreTotals]:
-    """Score `token_ids` with every scorer over the same windows; KL and top-1 agreement are
-    against `scorers[reference]`. `on_window(i, n)` is called before window i of n."""
+    """Score `token_ids` with every scorer over the same `windows` (`sliding_windows` or
+    `llamacpp_chunks`); KL and top-1 agreement are against `scorers[reference]`.
+    `on_window(i, n)` is called before window i of n."""
     import torch
 
     ids = torch.tensor(token_ids, dtype=torch.long)
     totals = {name: ScoreTotals() for name in scorers}
-    windows = sliding_windows(len(token_ids), window, stride)
     order = [reference, *(name for name in scorers if name != reference)]
 
     def timed(name: str, fn, *args):

@@ -75,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--stride", type=int, default=None, help="tokens between window starts (default: half)"
     )
     parser.add_argument(
+        "--llamacpp-chunks",
+        action="store_true",
+        help="score as llama.cpp's llama-perplexity does (its -c is --window): "
+        "non-overlapping windows, each scoring its second half's predictions",
+    )
+    parser.add_argument(
         "--hf-reference", action="store_true", help="add transformers' float32 model as a row"
     )
     parser.add_argument(
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from nanollmserve.bench import perplexity
     from nanollmserve.config import EngineConfig
     from nanollmserve.engine.model_loading import load_engine_model
+    from nanollmserve.errors import UserError
     from nanollmserve.frontend.tokenizer import load_tokenizer
     from nanollmserve.model.device import dtype_name
 
@@ -140,15 +147,18 @@ def run(args: argparse.Namespace) -> int:
         hf_model = load_hf_model(loaded[REFERENCE].model_dir, torch.float32)
         scorers[HF_REFERENCE] = perplexity.hf_scorer(hf_model)
     window = args.window or min(loaded[REFERENCE].model_config.max_context_len, 8192)
-    stride = args.stride or max(1, window // 2)
+    stride = window if args.llamacpp_chunks else args.stride or max(1, window // 2)
+    try:
+        windows = (
+            perplexity.llamacpp_chunks(len(token_ids), window)
+            if args.llamacpp_chunks
+            else perplexity.sliding_windows(len(token_ids), window, stride)
+        )
+    except ValueError as error:
+        raise UserError(f"bench quality: {error}") from None
     log(f"scoring {len(token_ids)} tokens, window {window}, stride {stride}")
     totals = perplexity.score(
-        scorers,
-        token_ids,
-        window,
-        stride,
-        REFERENCE,
-        on_window=lambda i, n: log(f"window {i + 1}/{n}"),
+        scorers, token_ids, windows, REFERENCE, on_window=lambda i, n: log(f"window {i + 1}/{n}")
     )
     reference_ppl = totals[REFERENCE].perplexity
     results = {}
@@ -180,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         },
         "window": window,
         "stride": stride,
-        "num_windows": len(perplexity.sliding_windows(len(token_ids), window, stride)),
+        "windows": "llama-perplexity chunks" if args.llamacpp_chunks else "sliding",
+        "num_windows": len(windows),
         "reference": REFERENCE,
         "kl": "mean over scored positions of KL(fp32 || config) of next-token distributions, nats",
         "configs": results,
