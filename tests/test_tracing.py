@@ -191,6 +191,23 @@ def test_responses_and_messages_are_chat_spans_and_other_routes_have_none(traced
     traced.spans(0)
 
 
+@pytest.mark.milestone("m30")
+def test_llamacpp_native_completion_is_a_text_completion_span(traced) -> None:
+    client = traced.client
+    answer = client.post(
+        "/completion",
+        json={"prompt": "Hi", "n_predict": 3, "temperature": 0},
+        headers={"traceparent": TRACEPARENT},
+    )
+    assert answer.status_code == 200, answer.text
+    [span] = traced.spans(1)
+    assert span.name == "text_completion tiny"
+    assert f"{span.context.trace_id:032x}" == TRACE_ID
+    assert span.attributes["gen_ai.usage.output_tokens"] == answer.json()["tokens_predicted"]
+    _check_events(span)
+    traced.spans(0)
+
+
 HOSTILE_TRACE_HEADERS = [
     {"traceparent": "garbage"},
     {"traceparent": f"00-{'0' * 32}-{PARENT_ID}-01"},  # the invalid all-zero trace id

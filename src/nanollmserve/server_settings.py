@@ -162,6 +162,17 @@ class ServerSettings:
         ),
     )
     """The bytes the stored responses may hold in all (LRU)."""
+    timings: bool = field(
+        default=True,
+        metadata=_flag(
+            "put llama.cpp's `timings` (prompt and generated tokens, ms, tokens/s) on "
+            "/v1/completions and /v1/chat/completions answers, at the top level and in a "
+            "stream's last chunk; --no-timings leaves them out (/completion always has them) "
+            "(default: on)",
+            action=argparse.BooleanOptionalAction,
+        ),
+    )
+    """llama.cpp's `timings` on the OpenAI completions and chat answers."""
     log_requests: bool = field(
         default=False,
         metadata=_flag(

@@ -19,7 +19,9 @@ from pydantic import Field
 
 from nanollmserve.api.protocol import MAX_INT32, ChatMessage, TokenId, sampling_params
 from nanollmserve.api.protocol_base import OpenAIBaseModel, RequestModel
+from nanollmserve.api.protocol_tools import ChatCompletionToolParam
 from nanollmserve.errors import ParamError
+from nanollmserve.outputs import RequestOutput
 from nanollmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanollmserve.structured_outputs import StructuredOutputsParams
 
@@ -187,7 +189,9 @@ class CompletionProbability(TokenProb):
 
 class Timings(OpenAIBaseModel):
     """llama.cpp's `timings`: the prompt (the tokens computed, cached ones left out) and the
-    generation, in ms, ms per token and tokens per second."""
+    generation, in ms, ms per token and tokens per second. On /completion and /infill, and
+    (unless `--no-timings`) on /v1/completions and /v1/chat/completions, as llama.cpp puts
+    them: the response's top level, a stream's last chunk."""
 
     cache_n: int
     prompt_n: int
@@ -198,6 +202,41 @@ class Timings(OpenAIBaseModel):
     predicted_ms: float
     predicted_per_token_ms: float
     predicted_per_second: float
+
+    @classmethod
+    def of(cls, outputs: list[RequestOutput], num_generated: int | None = None) -> Timings | None:
+        """The timings of a response from its requests' metrics (None when an output has
+        none): the prompt phase runs from the first scheduled step to the first token (that
+        token's step included), generation from the first token to the last. For several
+        requests (prompts of one /v1/completions call), which run together, the counts are
+        totals and the phases span them all: from the earliest start to the latest first
+        token, and from the earliest first token to the latest last one. `num_generated`:
+        the tokens generated, as the response counts them (default: the metrics' count)."""
+        metrics = [output.metrics for output in outputs]
+        if not outputs or any(m is None for m in metrics):
+            return None
+        cached = sum(output.num_cached_tokens for output in outputs)
+        prompt_n = sum(
+            max(len(output.prompt_token_ids) - output.num_cached_tokens, 0) for output in outputs
+        )
+        if num_generated is None:
+            num_generated = sum(m.num_generation_tokens for m in metrics)
+        start = min(m.first_scheduled_time or m.arrival_time for m in metrics)
+        firsts = [m.first_token_time for m in metrics if m.first_token_time is not None]
+        lasts = [m.last_token_time for m in metrics if m.last_token_time is not None]
+        prompt_ms = 1000.0 * (max(firsts) - start) if firsts else 0.0
+        predicted_ms = 1000.0 * (max(lasts) - min(firsts)) if firsts and lasts else 0.0
+        return cls(
+            cache_n=cached,
+            prompt_n=prompt_n,
+            prompt_ms=prompt_ms,
+            prompt_per_token_ms=prompt_ms / prompt_n if prompt_n else 0.0,
+            prompt_per_second=1000.0 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+            predicted_n=num_generated,
+            predicted_ms=predicted_ms,
+            predicted_per_token_ms=predicted_ms / num_generated if num_generated else 0.0,
+            predicted_per_second=1000.0 * num_generated / predicted_ms if predicted_ms > 0 else 0.0,
+        )
 
 
 StopType = Literal["none", "eos", "limit", "word"]
@@ -230,6 +269,10 @@ class CompletionResponse(OpenAIBaseModel):
 
 class ApplyTemplateRequest(RequestModel):
     messages: list[ChatMessage] = Field(min_length=1)
+    """At most `--max-messages`."""
+    tools: list[ChatCompletionToolParam] | None = None
+    """Function tools, rendered as the chat route renders them (at most `--max-tools`,
+    unique names)."""
 
 
 class ApplyTemplateResponse(OpenAIBaseModel):

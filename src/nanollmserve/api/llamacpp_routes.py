@@ -69,5 +69,5 @@ async def slot_action(id_slot: int, ctx: Ctx, action: str | None = None):
 
 @router.post("/apply-template", response_model=ApplyTemplateResponse)
 async def apply_template(body: ApplyTemplateRequest, ctx: Ctx) -> ApplyTemplateResponse:
-    """The chat template's text for `messages` (with the generation prompt)."""
+    """The chat template's text for `messages` and `tools` (with the generation prompt)."""
     return await serving_llamacpp.apply_template(body, ctx)

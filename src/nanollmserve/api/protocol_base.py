@@ -33,8 +33,15 @@ PromptLogprobsJSON = list[dict[str, LogprobInfo] | None]
 """`prompt_logprobs` in a response: None for the first prompt token, then token id (a string,
 as JSON keys are) -> its entry, the prompt token first, then the top alternatives."""
 
-TOKEN_IO_FIELDS = ("prompt_token_ids", "token_ids", "prompt_logprobs", "kv_transfer_params")
-"""Also `kv_transfer_params`, phase 1's answer in prefill/decode disaggregation."""
+TOKEN_IO_FIELDS = (
+    "prompt_token_ids",
+    "token_ids",
+    "prompt_logprobs",
+    "kv_transfer_params",
+    "timings",
+)
+"""Also `kv_transfer_params`, phase 1's answer in prefill/decode disaggregation, and
+llama.cpp's `timings` (left out under `--no-timings` and on all but a stream's last chunk)."""
 
 
 class TokenIOModel(OpenAIBaseModel):

@@ -16,8 +16,9 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, model_serializer
+from pydantic import Field, model_serializer, model_validator
 
+from nanollmserve.api.llamacpp_protocol import Timings
 from nanollmserve.api.protocol import (
     MAX_INT32,
     ChatMessage,
@@ -107,9 +108,39 @@ class ChatCompletionRequest(SamplingExtensions, _ChatCompletionFields):
     chat_template_kwargs: dict | None = None
     """More template variables (`{"enable_thinking": false}` for Qwen3), over
     `--default-chat-template-kwargs`; limits in `frontend/chat_template_kwargs.py`."""
+    # llama.cpp's extra
+    n_probs: int | None = Field(default=None, strict=True, ge=0, le=MAX_INT32)
+    """llama.cpp's name for `top_logprobs`: N > 0 turns `logprobs` on with N alternatives
+    (0, llama.cpp's default: none); at most `--max-logprobs` (20). Given with
+    `top_logprobs`, the two must be equal, and `logprobs: false` with N > 0 is refused."""
+
+    @model_validator(mode="after")
+    def _n_probs_alias(self) -> ChatCompletionRequest:
+        """`n_probs` N > 0 is `logprobs: true, top_logprobs: N`, unless the request says
+        otherwise (`n_probs_conflict`: a 400)."""
+        if self.n_probs and self.n_probs_conflict() is None:
+            self.logprobs = True
+            self.top_logprobs = self.n_probs
+        return self
+
+    def n_probs_conflict(self) -> str | None:
+        """Why `n_probs` disagrees with `top_logprobs` or `logprobs` (None: it does not)."""
+        if self.n_probs is None:
+            return None
+        if self.top_logprobs is not None and self.top_logprobs != self.n_probs:
+            return (
+                f"n_probs is llama.cpp's name for top_logprobs and the two disagree (n_probs "
+                f"{self.n_probs}, top_logprobs {self.top_logprobs}): send one of them"
+            )
+        if self.n_probs and "logprobs" in self.model_fields_set and not self.logprobs:
+            return f"n_probs {self.n_probs} asks for logprobs, and logprobs is false"
+        return None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of a feature this server does not have yet, if one is asked for."""
+        conflict = self.n_probs_conflict()
+        if conflict is not None:
+            return "n_probs", conflict
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.add_generation_prompt and self.continue_final_message:
@@ -200,6 +231,8 @@ class ChatCompletionResponse(TokenIOModel):
     """With `prompt_logprobs` (vLLM's shape)."""
     kv_transfer_params: KVTransferResultJSON | None = None
     """With `kv_transfer_params` {"do_remote_decode": true}: what the store now holds."""
+    timings: Timings | None = None
+    """llama.cpp's timings (unless `--no-timings`)."""
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -240,3 +273,5 @@ class ChatCompletionChunk(TokenIOModel):
     """With `return_token_ids`: in the first chunk."""
     prompt_logprobs: PromptLogprobsJSON | None = None
     """With `prompt_logprobs`: in the first chunk with content."""
+    timings: Timings | None = None
+    """llama.cpp's timings (unless `--no-timings`): on the stream's last chunk only."""

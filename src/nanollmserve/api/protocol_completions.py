@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from nanollmserve.api.llamacpp_protocol import Timings
 from nanollmserve.api.protocol import (
     MAX_INT32,
     OpenAIBaseModel,
@@ -75,6 +76,17 @@ class _CompletionFields(RequestModel):
 class CompletionRequest(SamplingExtensions, _CompletionFields):
     use_beam_search: bool | None = Field(default=None, strict=True)
     """vLLM's beam search: refused (a 400); sample `n` choices instead."""
+    n_probs: int | None = Field(default=None, strict=True, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """llama.cpp's name for `logprobs`, with its limits (0, llama.cpp's default: none);
+    given with `logprobs`, the two must be equal (a 400 otherwise)."""
+
+    @model_validator(mode="after")
+    def _n_probs_alias(self) -> CompletionRequest:
+        """`n_probs` N > 0 is `logprobs` N (unless they disagree: `to_sampling_params`
+        refuses that)."""
+        if self.n_probs and self.logprobs is None:
+            self.logprobs = self.n_probs
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -94,6 +106,12 @@ class CompletionRequest(SamplingExtensions, _CompletionFields):
                 "use_beam_search is not supported: this server has no beam search (it is out "
                 "of scope); sample several choices with n instead",
                 param="use_beam_search",
+            )
+        if self.n_probs is not None and self.logprobs is not None and self.n_probs != self.logprobs:
+            raise ParamError(
+                f"n_probs is llama.cpp's name for logprobs and the two disagree (n_probs "
+                f"{self.n_probs}, logprobs {self.logprobs}): send one of them",
+                param="n_probs",
             )
         params = self.sampling_params_with(max_tokens=self.max_tokens, logprobs=self.logprobs)
         if self.echo and self.logprobs is not None:  # the echoed prompt is scored too
@@ -135,3 +153,6 @@ class CompletionResponse(TokenIOModel):
     usage: UsageInfo | None = None
     kv_transfer_params: KVTransferResultJSON | None = None
     """With `kv_transfer_params` {"do_remote_decode": true}: what the store now holds."""
+    timings: Timings | None = None
+    """llama.cpp's timings of the whole response (unless `--no-timings`); in a stream, on
+    its last chunk only."""

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanollmserve.api.errors import bad_request, from_param_error
 from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
+from nanollmserve.api.llamacpp_protocol import Timings
 from nanollmserve.api.protocol_base import prompt_logprobs_json
 from nanollmserve.api.protocol_chat import (
     ChatCompletionChunk,
@@ -78,7 +79,8 @@ async def create_chat_completion(
         tool_call_parser=ctx.settings.tool_call_parser,
         parallel_tool_calls=body.parallel_tool_calls,
     )
-    params = with_tool_grammar(ctx.make_params(body.to_sampling_params, _PARAM_ALIASES), plan)
+    aliases = {**_PARAM_ALIASES, "logprobs": "n_probs"} if body.n_probs else _PARAM_ALIASES
+    params = with_tool_grammar(ctx.make_params(body.to_sampling_params, aliases), plan)
     check_kv_transfer(params, stream=body.stream)
     prompt_token_ids = await ctx.engine.chat_token_ids(
         body.message_dicts(), plan.template_tools, **body.chat_template_options()
@@ -107,13 +109,15 @@ async def create_chat_completion(
             if plan.structured_outputs is not None
             else body.structured_outputs_aliases()
         )
-        aliases = {"prompt": "messages", **_PARAM_ALIASES, **grammar_source}
+        aliases = {"prompt": "messages", **aliases, **grammar_source}
         raise from_param_error(exc, aliases) from None
     created = int(time.time())
     top_k = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(stream, body, plan, reasoning, model, request_id, created, include_usage)
+        chunks = _stream(
+            stream, body, plan, reasoning, model, request_id, created, include_usage, ctx
+        )
         return sse_response(chunks, [stream])
     [output] = await final_outputs(request, [stream])
     choices = []
@@ -141,14 +145,16 @@ async def create_chat_completion(
                 token_ids=list(choice.token_ids) if body.return_token_ids else None,
             )
         )
+    usage = usage_of([output])
     response = ChatCompletionResponse(
         id=request_id,
         created=created,
         model=model,
         choices=choices,
-        usage=usage_of([output]),
+        usage=usage,
         **_prompt_token_io(body, output),
         kv_transfer_params=await kv_transfer_result(ctx, params, output, model),
+        timings=Timings.of([output], usage.completion_tokens) if ctx.settings.timings else None,
     )
     return JSONResponse(response.model_dump())
 
@@ -162,8 +168,9 @@ async def _stream(
     request_id: str,
     created: int,
     include_usage: bool,
+    ctx: ServerContext,
 ):
-    def chunk(choices, usage=None, **prompt_token_io) -> str:
+    def chunk(choices, usage=None, timings=None, **prompt_token_io) -> str:
         return sse_event(
             ChatCompletionChunk(
                 id=request_id,
@@ -171,9 +178,16 @@ async def _stream(
                 model=model,
                 choices=choices,
                 usage=usage,
+                timings=timings,
                 **prompt_token_io,
             )
         )
+
+    def timings(output: RequestOutput | None) -> Timings | None:
+        """llama.cpp's timings, for the stream's last chunk (None: `--no-timings`)."""
+        if output is None or not ctx.settings.timings:
+            return None
+        return Timings.of([output], totals.completion_tokens)
 
     top_k = body.top_logprobs or 0
     totals = StreamTotals()
@@ -190,8 +204,12 @@ async def _stream(
             ]
         )
         prompt_sent = False  # the prompt's token-level fields go in the first chunk after
+        num_open = body.n  # choices still running
+        output = None
         async for step in choice_deltas([stream], totals, error_is_reason=True):
             choice = step.choice
+            output = step.output
+            num_open -= step.finish_reason is not None
             prompt_io = {} if prompt_sent else _prompt_token_io(body, step.output)
             prompt_sent = prompt_sent or bool(prompt_io)
             token_ids = list(choice.token_ids) if body.return_token_ids else None
@@ -216,10 +234,12 @@ async def _stream(
                         token_ids=token_ids,
                     )
                 ],
+                # llama.cpp's timings go on the last chunk: this one, unless usage follows.
+                timings=timings(output) if num_open == 0 and not include_usage else None,
                 **prompt_io,
             )
         if include_usage:
-            yield chunk([], usage=usage_of_stream(totals))
+            yield chunk([], usage=usage_of_stream(totals), timings=timings(output))
     except Exception as exc:
         yield sse_error(exc)
     finally:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanollmserve.api.errors import bad_request, from_param_error
 from nanollmserve.api.generation import StreamTotals, choice_deltas, finish_reason
+from nanollmserve.api.llamacpp_protocol import Timings
 from nanollmserve.api.protocol_base import prompt_logprobs_json
 from nanollmserve.api.protocol_completions import (
     CompletionLogprobs,
@@ -44,7 +45,7 @@ async def create_completion(
     model = ctx.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    params = ctx.make_params(body.to_sampling_params)
+    params = ctx.make_params(body.to_sampling_params, _param_aliases(body))
     prompts = body.prompts()
     check_kv_transfer(params, stream=body.stream, num_prompts=len(prompts))
     request_id = random_id("cmpl-")
@@ -84,13 +85,15 @@ async def create_completion(
                     **_token_io(body, output, choice.token_ids, True, prompt_json),
                 )
             )
+    usage = usage_of(outputs)
     response = CompletionResponse(
         id=request_id,
         created=created,
         model=model,
         choices=choices,
-        usage=usage_of(outputs),
+        usage=usage,
         kv_transfer_params=await kv_transfer_result(ctx, params, outputs[0], model),
+        timings=Timings.of(outputs, usage.completion_tokens) if ctx.settings.timings else None,
     )
     return JSONResponse(response.model_dump())
 
@@ -102,9 +105,13 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
     prompt_outputs: dict[int, RequestOutput] = {}
     prompt_jsons: dict[int, object] = {}  # their prompt_logprobs JSON, built once
     totals = StreamTotals()
+    last_outputs: dict[int, RequestOutput] = {}  # per prompt, for the timings
+    num_open = len(streams) * body.n  # choices still running
     try:
         async for step in choice_deltas(streams, totals, error_is_reason=True):
             choice = step.choice
+            last_outputs[step.prompt_index] = step.output
+            num_open -= step.finish_reason is not None
             index = step.prompt_index * body.n + choice.index
             echo = await _prompt_text(ctx, step.output) if body.echo and step.first else ""
             new_prompt = step.prompt_index not in prompt_outputs
@@ -131,9 +138,15 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
                 finish_reason=step.finish_reason,
                 **token_io,
             )
+            # llama.cpp's timings go on the last chunk: this one, unless usage follows.
+            last = num_open == 0 and not usage
             yield sse_event(
                 CompletionResponse(
-                    id=request_id, created=created, model=model, choices=[chunk_choice]
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[chunk_choice],
+                    timings=_stream_timings(ctx, last_outputs, totals) if last else None,
                 )
             )
         if usage:
@@ -144,11 +157,26 @@ async def _stream(ctx, streams, body: CompletionRequest, model, request_id, crea
                     model=model,
                     choices=[],
                     usage=usage_of_stream(totals),
+                    timings=_stream_timings(ctx, last_outputs, totals),
                 )
             )
     except Exception as exc:
         yield sse_error(exc)
     yield SSE_DONE
+
+
+def _param_aliases(body: CompletionRequest) -> dict[str, str] | None:
+    """The request field a SamplingParams field's 400 names: `n_probs` when it was sent."""
+    return {"logprobs": "n_probs"} if body.n_probs else None
+
+
+def _stream_timings(
+    ctx: ServerContext, last_outputs: dict[int, RequestOutput], totals: StreamTotals
+) -> Timings | None:
+    """The timings of a stream's last chunk (None under `--no-timings`)."""
+    if not ctx.settings.timings:
+        return None
+    return Timings.of(list(last_outputs.values()), totals.completion_tokens)
 
 
 def _prompt_logprobs_copies(body: CompletionRequest) -> int:

@@ -10,7 +10,8 @@ admission path as the OpenAI routes (`ServerContext.make_params` -> `add_request
 - `/props`, `/slots`: what the server runs with and how many sequence places are busy (no
   prompts, no file paths). Slot actions (save/restore/erase) are refused: this engine does
   not bind requests to slots.
-- `/apply-template`: the chat template's text for some messages.
+- `/apply-template`: the chat template's text for some messages (and function `tools`,
+  rendered as the chat route renders them).
 - `/tokenize` with llama.cpp's `content` (and `with_pieces`): handed over by the vLLM route.
 """
 
@@ -39,6 +40,7 @@ from nanollmserve.api.llamacpp_protocol import (
 from nanollmserve.api.request_id import client_request_id
 from nanollmserve.api.serving import ServerContext, final_outputs, random_id
 from nanollmserve.api.sse import sse_error, sse_event, sse_response
+from nanollmserve.api.tool_choice import template_tools
 from nanollmserve.outputs import CompletionOutput, RequestOutput
 from nanollmserve.sampling_params import SamplingParams
 
@@ -163,7 +165,7 @@ async def _final(
         stop_type=stop_type,
         stopping_word=stopping_word,
         tokens_cached=output.num_cached_tokens,
-        timings=timings(output, len(choice.token_ids) if text is not None else None),
+        timings=Timings.of([output], len(choice.token_ids) if text is not None else None),
     )
 
 
@@ -175,32 +177,6 @@ def _stop_type(choice: CompletionOutput) -> tuple[str, str]:
     if isinstance(choice.stop_reason, str):
         return "word", choice.stop_reason
     return "eos", ""
-
-
-def timings(output: RequestOutput, num_generated: int | None = None) -> Timings:
-    """`timings` from the request's metrics: the prompt phase runs from its first scheduled
-    step to its first token (that token's step included), generation from the first token
-    to the last. `num_generated`: the tokens generated (default: the metrics' count)."""
-    metrics = output.metrics
-    cached = output.num_cached_tokens
-    prompt_n = max(len(output.prompt_token_ids) - cached, 0)
-    predicted_n = metrics.num_generation_tokens if num_generated is None else num_generated
-    start = metrics.first_scheduled_time or metrics.arrival_time
-    first = metrics.first_token_time
-    prompt_ms = 1000.0 * (first - start) if first is not None else 0.0
-    last = metrics.last_token_time
-    predicted_ms = 1000.0 * (last - first) if first is not None and last is not None else 0.0
-    return Timings(
-        cache_n=cached,
-        prompt_n=prompt_n,
-        prompt_ms=prompt_ms,
-        prompt_per_token_ms=prompt_ms / prompt_n if prompt_n else 0.0,
-        prompt_per_second=1000.0 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
-        predicted_n=predicted_n,
-        predicted_ms=predicted_ms,
-        predicted_per_token_ms=predicted_ms / predicted_n if predicted_n else 0.0,
-        predicted_per_second=1000.0 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0,
-    )
 
 
 def _probabilities(choice: CompletionOutput, n_probs: int) -> list[CompletionProbability]:
@@ -306,7 +282,9 @@ def slot_action(ctx: ServerContext, id_slot: int, action: str | None) -> None:
 # -- /apply-template -------------------------------------------------------------------------
 async def apply_template(body: ApplyTemplateRequest, ctx: ServerContext) -> ApplyTemplateResponse:
     ctx.limits.check_messages(len(body.messages))
-    token_ids = await ctx.engine.chat_token_ids([m.to_dict() for m in body.messages])
+    ctx.limits.check_fields(tools=body.tools)
+    tools = template_tools([tool.function for tool in body.tools]) if body.tools else None
+    token_ids = await ctx.engine.chat_token_ids([m.to_dict() for m in body.messages], tools)
     return ApplyTemplateResponse(prompt=await ctx.engine.detokenize(token_ids))
 
 

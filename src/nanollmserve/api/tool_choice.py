@@ -78,12 +78,10 @@ def plan_tools(
         if choice == "required" or named:
             raise bad_request(f"{param} {choice!r} needs tools", param)
         return NO_TOOLS
-    names = [f.name for f in functions]
-    if len(set(names)) != len(names):
-        raise bad_request("tools: function names must be unique", "tools")
+    tools = template_tools(functions)
     if choice == "none":
         return NO_TOOLS
-    tools = [f.template_dict() for f in functions]
+    names = [f.name for f in functions]
     if choice == "auto":
         if tool_call_parser is None:
             raise bad_request(
@@ -102,6 +100,14 @@ def plan_tools(
     return ToolPlan(
         tools, lambda: NamedCallParser(function.name), StructuredOutputsParams(json=schema)
     )
+
+
+def template_tools(functions: list[FunctionDefinition]) -> list[dict]:
+    """The functions as the chat template reads them (a 400 if two share a name)."""
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", "tools")
+    return [f.template_dict() for f in functions]
 
 
 def _calls_schema(functions: list[FunctionDefinition], single: bool) -> dict:

@@ -1,7 +1,8 @@
 """`TracingMiddleware`: an ASGI middleware that serves each generation request (a POST to
 chat, completions, responses, messages, embeddings, /generate, /batch_generate, with or
-without /v1) inside a SERVER span (`context.server_span`), ended once the response's last
-byte is sent (a stream's too) and carrying its HTTP status. Other routes get no span.
+without /v1, and llama.cpp's /completion and /infill) inside a SERVER span
+(`context.server_span`), ended once the response's last byte is sent (a stream's too) and
+carrying its HTTP status. Other routes get no span.
 
 The worker names its span after the GenAI operation (`chat`, renamed `chat MODEL` at
 admission); the router after the route (`POST /v1/chat/completions`). Installed inside the
@@ -23,6 +24,8 @@ OPERATIONS = {
     "/responses": "chat",
     "/messages": "chat",
     "/completions": "text_completion",
+    "/completion": "text_completion",  # llama.cpp's native routes
+    "/infill": "text_completion",
     "/generate": "text_completion",
     "/batch_generate": "text_completion",
     "/embeddings": "embeddings",
