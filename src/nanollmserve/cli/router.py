@@ -83,12 +83,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     group.add_argument(
-        "--balance-threshold",
-        type=int,
-        default=8,
-        metavar="N",
-        help="prefix policy: use the least loaded worker instead when the chosen one has N "
-        "more requests in flight (default %(default)s)",
+        "--load-bound-factor",
+        type=float,
+        default=1.25,
+        metavar="C",
+        help="prefix and pd policies: consistent hashing with bounded load; a worker takes at "
+        "most C x the mean requests in flight (the new one counted), past it the prefix goes "
+        "to its next worker in hash order; from 1 (strict balance) to 100 (default "
+        "%(default)s)",
     )
     group.add_argument(
         "--prefill-timeout",
@@ -149,6 +151,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def router_settings(args: argparse.Namespace):
     from nanollmserve.router import RouterSettings
+    from nanollmserve.router.policies import check_load_bound_factor
 
     if args.health_interval <= 0:
         raise UserError(f"--health-interval must be > 0, got {args.health_interval}")
@@ -156,8 +159,10 @@ def router_settings(args: argparse.Namespace):
         raise UserError(f"--health-failures must be >= 1, got {args.health_failures}")
     if args.prefix_chars < 1:
         raise UserError(f"--prefix-chars must be >= 1, got {args.prefix_chars}")
-    if args.balance_threshold < 1:
-        raise UserError(f"--balance-threshold must be >= 1, got {args.balance_threshold}")
+    try:
+        check_load_bound_factor(args.load_bound_factor, "--load-bound-factor")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     if not 0 < args.prefill_timeout < float("inf"):
         raise UserError(f"--prefill-timeout must be > 0 seconds, got {args.prefill_timeout}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
@@ -172,7 +177,7 @@ def router_settings(args: argparse.Namespace):
         health_interval=args.health_interval,
         health_failures=args.health_failures,
         prefix_chars=args.prefix_chars,
-        balance_threshold=args.balance_threshold,
+        load_bound_factor=args.load_bound_factor,
         prefill_timeout=args.prefill_timeout,
         metrics_require_auth=args.metrics_require_auth,
         admin_api_key=args.admin_api_key,

@@ -45,7 +45,7 @@ from nanollmserve.router.errors import error_response
 from nanollmserve.router.health import DEFAULT_INTERVAL_S, DEFAULT_MAX_FAILURES, HealthChecker
 from nanollmserve.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from nanollmserve.router.pd import DEFAULT_PREFILL_TIMEOUT_S, PrefillPhase
-from nanollmserve.router.policies import DEFAULT_BALANCE_THRESHOLD, make_policy
+from nanollmserve.router.policies import DEFAULT_LOAD_BOUND_FACTOR, make_policy
 from nanollmserve.router.proxy import Proxy
 from nanollmserve.router.response_locator import ResponseLocator
 from nanollmserve.router.routing_key import DEFAULT_PREFIX_CHARS, routing_key
@@ -67,7 +67,9 @@ class RouterSettings:
     health_interval: float = DEFAULT_INTERVAL_S
     health_failures: int = DEFAULT_MAX_FAILURES
     prefix_chars: int = DEFAULT_PREFIX_CHARS
-    balance_threshold: int = DEFAULT_BALANCE_THRESHOLD
+    load_bound_factor: float = DEFAULT_LOAD_BOUND_FACTOR
+    """prefix (and pd's phase 1): a worker takes at most this many times the mean requests in
+    flight; past it the prefix goes to its next worker (`policies.py`)."""
     prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT_S
     """--policy pd: seconds a prefill worker gets for phase 1 before another one tries."""
     max_request_bytes: int = MAX_REQUEST_BYTES
@@ -86,7 +88,7 @@ class RouterSettings:
 
 def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) -> FastAPI:
     settings = settings or RouterSettings()
-    policy = make_policy(settings.policy, settings.balance_threshold)
+    policy = make_policy(settings.policy, settings.load_bound_factor)
     metrics = RouterMetrics(pool)
 
     @contextlib.asynccontextmanager
