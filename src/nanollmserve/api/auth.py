@@ -1,8 +1,9 @@
 """API-key authentication: with `--api-key` (or NANOLLMSERVE_API_KEY) set, every route except
-/health and the playground page (`/`, `/static/app.js`, `/static/app.css`: it holds no data)
-needs `Authorization: Bearer <key>` or (as Anthropic's clients send it) `x-api-key: <key>`;
-anything else answers 401 in the OpenAI error shape (Anthropic's on the Messages routes).
-The key is compared in constant time and never logged. `open_paths` widens the exceptions
+the probes (/health, /ready, /live) and the playground page (`/`, `/static/app.js`,
+`/static/app.css`: it holds no data) needs `Authorization: Bearer <key>` or (as Anthropic's
+clients send it) `x-api-key: <key>`; anything else answers 401 in the OpenAI error shape
+(Anthropic's on the Messages routes). The key is compared in constant time and never logged.
+`open_paths` widens the exceptions
 (the app adds /metrics unless `--metrics-require-auth`).
 
 The admin routes (`ADMIN_PATHS`: the sleep routes, `/debug/steps` and the run-time LoRA
@@ -23,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nanollmserve.api.errors import error_response
 from nanollmserve.api.playground import PLAYGROUND_PATHS
 
-OPEN_PATHS = frozenset({"/health"}) | PLAYGROUND_PATHS
+OPEN_PATHS = frozenset({"/health", "/ready", "/live"}) | PLAYGROUND_PATHS
 ADMIN_ROUTE_FLAGS = {
     "/sleep": "--enable-sleep-mode",
     "/wake_up": "--enable-sleep-mode",

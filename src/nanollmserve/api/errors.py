@@ -25,6 +25,7 @@ from nanollmserve.api.protocol import ErrorInfo, ErrorResponse
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import (
     EngineDeadError,
+    EngineDrainingError,
     EngineOverloadedError,
     EngineSleepingError,
     EngineStepError,
@@ -102,6 +103,9 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineSleepingError):  # sleep mode: docs/features/sleep-mode.md
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
         return APIError(503, str(exc), code="engine_sleeping", headers=headers)
+    if isinstance(exc, EngineDrainingError):  # SIGTERM: a router retries it elsewhere
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return APIError(503, str(exc), code="draining", headers=headers)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, ParamError):

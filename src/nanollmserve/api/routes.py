@@ -87,10 +87,32 @@ async def health(ctx: Ctx):
     """200 while the engine loop is alive and accepting requests, 503 otherwise; `status` is
     `sleeping` (still a 200: the server is up) while `POST /sleep` holds, when requests get
     a 503 until `POST /wake_up`: a router sends such a worker nothing."""
+    if ctx.engine.is_draining:  # a router takes it out of its rotation at once
+        return error_response(503, "the server is draining (shutting down)", code="draining")
     if not ctx.engine.is_accepting:
         return error_response(503, "engine is not available", code="engine_unavailable")
     status = "sleeping" if ctx.engine.sleep_requested else "ok"
     return HealthResponse(status=status, kv_role=ctx.settings.kv_role)
+
+
+@router.get("/ready", response_model=HealthResponse, tags=["server"])
+async def ready(ctx: Ctx):
+    """The readiness probe: 200 when the model is loaded (the server only listens after
+    that) and the server is neither draining (SIGTERM) nor put to sleep (`POST /sleep`);
+    else 503 with the reason as the error's `code` (`draining`, `engine_sleeping`,
+    `engine_unavailable`)."""
+    reason = ctx.engine.not_ready_reason()
+    if reason is not None:
+        message, code = reason
+        return error_response(503, message, code=code)
+    return HealthResponse(status="ok", kv_role=ctx.settings.kv_role)
+
+
+@router.get("/live", tags=["server"])
+async def live() -> dict:
+    """The liveness probe: 200 while the process serves HTTP, draining and asleep included
+    (a dead engine makes the process exit, so a restart is the supervisor's, not a probe's)."""
+    return {"status": "ok"}
 
 
 @router.get(

@@ -3,9 +3,10 @@ front of several `nanollmserve serve` workers (`nanollmserve.router`).
 
 It binds its port first (a busy port fails at once with one line), checks every worker's
 /health once, then serves; workers that are not up yet join when they answer. SIGINT /
-SIGTERM stop it. The API keys can come from the environment (`NANOLLMSERVE_API_KEY`,
-`NANOLLMSERVE_WORKER_API_KEY`, `NANOLLMSERVE_ADMIN_API_KEY`,
-`NANOLLMSERVE_WORKER_ADMIN_API_KEY`), which keeps them off the command line.
+SIGTERM drain it (`--shutdown-timeout`), then stop it. The API keys can come from the
+environment (`NANOLLMSERVE_API_KEY`, `NANOLLMSERVE_WORKER_API_KEY`,
+`NANOLLMSERVE_ADMIN_API_KEY`, `NANOLLMSERVE_WORKER_ADMIN_API_KEY`), which keeps them off the
+command line.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port (default %(default)s)")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds the requests in flight get to finish while new ones "
+        "and /ready answer 503 (default %(default)s)",
+    )
     add_router_args(parser)
     parser.set_defaults(func=run)
 
@@ -205,10 +214,12 @@ def run(args: argparse.Namespace) -> int:
     for url in args.worker:
         if not url.strip():
             raise UserError("--worker needs a URL, got an empty one")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     sock = _bind(args.host, args.port)
     try:
         app = create_router_app(WorkerPool(args.worker), settings)
-        asyncio.run(serve_router(app, sock, args.log_level))
+        asyncio.run(serve_router(app, sock, args.log_level, shutdown_timeout=args.shutdown_timeout))
     finally:
         sock.close()
     logging.getLogger("nanollmserve.router").info("nanollmserve router stopped")

@@ -3,9 +3,10 @@ the gRPC service on the same engine).
 
 Binds the sockets first (a busy port fails at once), loads the model into an AsyncEngine,
 then serves with uvicorn and logs one line when ready: URL, model, device, dtype, KV blocks
-and time to ready. SIGINT / SIGTERM shut down gracefully: new requests get 503 (gRPC:
-UNAVAILABLE), running ones get `--shutdown-timeout` seconds to finish, the rest are aborted,
-and the process exits 0. `--log-stats-interval S` logs the engine's load every S seconds.
+and time to ready. SIGINT / SIGTERM drain, then shut down: new requests get 503 (`draining`;
+gRPC: UNAVAILABLE) and `/ready` a 503 at once while the server still listens, running ones
+get `--shutdown-timeout` seconds to finish, the rest are aborted, and the process exits 0.
+`--log-stats-interval S` logs the engine's load every S seconds.
 
 The flags follow `vllm serve` (names and meanings; docs/cli.md) and every one can come from
 the environment as `NANOLLMSERVE_<FLAG>` (flag > environment > default; `env_defaults.py`).
@@ -372,27 +373,41 @@ async def _exit_when_engine_dies(engine, server, interval: float = 0.5) -> None:
 
 
 def _make_server(config, engine, ready_line, shutdown_timeout: float):
-    """A uvicorn.Server that logs the ready line; on the first signal it refuses new
-    requests and gives running ones `shutdown_timeout` seconds before the engine aborts
-    them; it does not re-raise the signal after its graceful shutdown (so it exits 0)."""
+    """A uvicorn.Server that logs the ready line and drains on the first signal: new
+    requests get 503 (`draining`), `/ready` and `/health` answer 503 at once, running
+    requests get `shutdown_timeout` seconds before the engine aborts them, and the server
+    keeps listening meanwhile (a client or a router still reaching it is told to go
+    elsewhere, not refused a connection); then uvicorn shuts down. A second signal starts
+    uvicorn's shutdown at once (a second SIGINT forces the exit, as uvicorn does). It does
+    not re-raise the signal (so it exits 0)."""
     import uvicorn
 
     loop = asyncio.get_running_loop()
 
     class Server(uvicorn.Server):
+        draining = False
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
                 logger.info(ready_line())
 
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
+            if not self.draining and not self.should_exit:
                 engine.stop_accepting()
+                self.draining = True
                 loop.call_soon_threadsafe(self._drain_engine)
+                return
+            self.should_exit = True  # a second signal: stop draining; SIGINT forces the exit
             super().handle_exit(sig, frame)
 
         def _drain_engine(self) -> None:
-            self.drain_task = loop.create_task(engine.shutdown(timeout=shutdown_timeout))
+            logger.info("draining: %d sequence(s) in flight", engine.num_sequences_in_flight)
+            self.drain_task = loop.create_task(self._drain())
+
+        async def _drain(self) -> None:
+            await engine.shutdown(timeout=shutdown_timeout)
+            self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -46,6 +46,7 @@ from nanollmserve.errors import ParamError, UserError
 from nanollmserve.frontend.admission import Admission
 from nanollmserve.frontend.engine_loop import (
     EngineDeadError,
+    EngineDrainingError,
     EngineLoop,
     EngineObserver,
     EngineOverloadedError,
@@ -75,6 +76,7 @@ __all__ = [
     "DEFAULT_MAX_QUEUE_LEN",
     "AsyncEngine",
     "EngineDeadError",
+    "EngineDrainingError",
     "EngineInfo",
     "EngineObserver",
     "EngineOverloadedError",
@@ -261,6 +263,25 @@ class AsyncEngine:
     @property
     def is_accepting(self) -> bool:
         return self._accepting and self.engine_loop.is_running
+
+    @property
+    def is_draining(self) -> bool:
+        """`stop_accepting` was called (SIGTERM) and the engine still runs: requests in
+        flight finish, new ones get EngineDrainingError (a 503)."""
+        return not self._accepting and self.engine_loop.is_running
+
+    def not_ready_reason(self) -> tuple[str, str] | None:
+        """Why the server should get no traffic now, as (message, code), or None when it is
+        ready: the engine failed or stopped, the server drains, or `POST /sleep` holds (an
+        engine asleep by itself, `--sleep-idle-seconds`, is ready: a request wakes it).
+        What `GET /ready` answers, the readiness probe of docs/features/distributed.md."""
+        if self.is_draining:
+            return "the server is draining (shutting down)", "draining"
+        if not self.is_accepting:
+            return "engine is not available", "engine_unavailable"
+        if self.sleep_requested:
+            return "the server is sleeping (POST /wake_up wakes it)", "engine_sleeping"
+        return None
 
     @property
     def num_sequences_in_flight(self) -> int:
@@ -580,6 +601,8 @@ class AsyncEngine:
             )
 
     def _check_accepting(self) -> None:
+        if self.is_draining:
+            raise EngineDrainingError("the server is draining (shutting down); retry on another")
         if not self.is_accepting:
             reason = self.engine_loop.error or "the server is shutting down"
             raise EngineDeadError(f"engine is not accepting requests: {reason}")

@@ -75,6 +75,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; no request can run."""
 
 
+class EngineDrainingError(EngineDeadError):
+    """The server is draining (SIGTERM): it admits no new request while the running ones
+    finish within `--shutdown-timeout`; another replica should take it (a 503)."""
+
+
 class EngineStepError(RuntimeError):
     """An engine step failed while this request was in the engine (an internal error)."""
 

@@ -1,7 +1,9 @@
 """`create_router_app(pool, settings)`: the router's FastAPI app.
 
 Its own routes: `GET /health` (200 while at least one worker can take a request, else 503;
-under `--policy pd` a prefill-only worker cannot),
+under `--policy pd` a prefill-only worker cannot), `GET /ready` (the same, and 503 `draining`
+once the router drains on SIGTERM: every other request then answers 503 `draining` too,
+`DrainGate`), `GET /live` (200 while it serves HTTP),
 `GET /stats` (`stats.py`), `GET /metrics` (`metrics.py`) and `GET /v1/models` (the workers'
 models, merged). Stored responses (`/v1/responses/{id}`, `previous_response_id`) go to the
 worker that holds them (`response_locator.py`). Every other path and method is forwarded by
@@ -123,6 +125,8 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
         redoc_url=None,
     )
     app.state.pool = pool
+    app.state.draining = False
+    """Set on SIGTERM (`server.py`): new requests answer 503 `draining`, forwarded ones go on."""
     app.state.settings = settings
     app.state.metrics = metrics
 
@@ -151,6 +155,18 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
             "num_draining_workers": draining,
             "num_workers": len(pool.all()),
         }
+
+    @app.get("/ready")
+    async def ready():
+        # The readiness probe: /health's answer, and a 503 `draining` once the router itself
+        # drains (SIGTERM, `server.py`).
+        if app.state.draining:
+            return error_response(503, "the router is draining (shutting down)", "draining")
+        return await health()
+
+    @app.get("/live")
+    async def live():
+        return {"status": "ok"}
 
     @app.get("/stats")
     async def stats(request: Request):
@@ -189,6 +205,7 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
             pinned = await app.state.locator.find(previous, headers)
         return await app.state.proxy.forward(request, body, key, pinned=pinned)
 
+    app.add_middleware(DrainGate, state=app.state)
     if settings.tracer is not None:  # innermost: only requests auth and the cap let through
         from nanollmserve.tracing.asgi import TracingMiddleware, route_name
 
@@ -204,6 +221,34 @@ def create_router_app(pool: WorkerPool, settings: RouterSettings | None = None) 
     app.add_middleware(RouterAdminKeyMiddleware, admin_api_key=settings.admin_api_key)
     app.add_middleware(AnthropicErrorShape)  # outside auth: its 401 too
     return app
+
+
+DRAIN_OPEN_PATHS = frozenset({"/health", "/ready", "/live", "/metrics", "/stats"})
+
+
+class DrainGate:
+    """While the router drains (`app.state.draining`), every request but the probes,
+    /metrics and /stats answers 503 `draining` (with Retry-After), before the proxy."""
+
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (
+            scope["type"] == "http"
+            and self.state.draining
+            and scope["path"] not in DRAIN_OPEN_PATHS
+        ):
+            answer = error_response(
+                503,
+                "the router is draining (shutting down); retry on another",
+                "draining",
+                headers={"Retry-After": "1"},
+            )
+            await answer(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _too_large(max_bytes: int) -> Response:

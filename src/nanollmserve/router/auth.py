@@ -1,7 +1,8 @@
-"""The router's API key: with `--api-key`, every route but /health, /metrics (unless
-`--metrics-require-auth`) and the playground page needs `Authorization: Bearer <key>` (or
-`x-api-key: <key>`, as Anthropic's clients send it); anything else answers 401 in the OpenAI
-error shape (Anthropic's on the Messages routes). The key is compared in constant time
+"""The router's API key: with `--api-key`, every route but the probes (/health, /ready,
+/live), /metrics (unless `--metrics-require-auth`) and the playground page needs
+`Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send it);
+anything else answers 401 in the OpenAI error shape (Anthropic's on the Messages routes).
+The key is compared in constant time
 and never logged. The router's admin routes (`/admin/...`) are left to their own key
 (`admin.py`). The check reads the ASGI `scope["path"]`, the path the proxy forwards
 (`forwarded_path`), never one rebuilt from the Host header. (The workers' own check,
@@ -19,7 +20,7 @@ from nanollmserve.router.errors import error_response
 # The playground page (served by a worker through the router) holds no data, as on a worker
 # (api/auth.py; not imported: the api package loads the engine).
 PLAYGROUND_PATHS = frozenset({"/", "/static/app.js", "/static/app.css", "/static/timeline.js"})
-OPEN_PATHS = frozenset({"/health"}) | PLAYGROUND_PATHS
+OPEN_PATHS = frozenset({"/health", "/ready", "/live"}) | PLAYGROUND_PATHS
 METRICS_PATH = "/metrics"
 
 

@@ -31,6 +31,18 @@ def error_response(
     return JSONResponse(body, status_code, headers=headers)
 
 
+def is_draining_answer(status_code: int, content: bytes) -> bool:
+    """A worker's 503 that says it is draining (SIGTERM; error code `draining`): the router
+    takes it out of the rotation at once, without waiting for failed health checks."""
+    if status_code != 503:
+        return False
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "draining"
+
+
 def stream_error_event(path: str, message: str, code: str) -> bytes:
     """The event that ends a broken stream: the Responses API's `event: error`, the Messages
     API's (Anthropic's shape), elsewhere a `data: {"error": ...}` chunk and `data: [DONE]`

@@ -4,10 +4,10 @@ A worker that answers 200 is (back) in the rotation, with the KV role its answer
 (`"kv_role"`: prefill, decode or both; both when it names none, as before `--kv-role`),
 unless its answer says `"status": "sleeping"` (put to sleep with `POST /sleep`): it stays
 healthy but gets no traffic until a check sees it awake.
-One that refuses the connection leaves it at once; one that fails otherwise (an error
-status, a timeout) leaves it after `max_failures` checks in a row. The proxy also takes a
-worker out when a request to it cannot connect or is cut before its first byte, without
-waiting for the next check.
+One that refuses the connection, or answers 503 `draining` (SIGTERM), leaves it at once;
+one that fails otherwise (an error status, a timeout) leaves it after `max_failures` checks
+in a row. The proxy also takes a worker out when a request to it cannot connect, is cut
+before its first byte or answers 503 `draining`, without waiting for the next check.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 
 import httpx
 
+from nanollmserve.router.errors import is_draining_answer
 from nanollmserve.router.workers import KV_ROLES, Worker, WorkerPool
 
 logger = logging.getLogger("nanollmserve.router")
@@ -55,6 +56,8 @@ class HealthChecker:
             if not worker.sleep_call_pending and epoch == worker.sleep_epoch:  # else: the
                 # admin surface's call decides (this answer may predate it)
                 worker.set_sleeping(_status(response) == "sleeping")
+        elif is_draining_answer(response.status_code, response.content):
+            worker.mark_down("it is draining")  # at once: it admits nothing new
         else:
             self._failed(worker, f"/health answered {response.status_code}")
 

@@ -2,7 +2,8 @@
 
 - The policy picks a worker among the healthy ones not tried yet. An attempt that fails
   before anything reached the client (no connection, a reset, a 502/503, a body cut short)
-  is retried on another worker with the same bytes; the client sees nothing of it. When no
+  is retried on another worker with the same bytes; the client sees nothing of it (a 503
+  `draining`, a worker's SIGTERM, also takes that worker out of the rotation). When no
   worker is left, the last worker's 502/503 (or a 502/503 of the router's) is the answer.
 - An SSE answer streams through chunk by chunk as the worker sends it, never buffered; a
   worker that fails mid-stream ends the stream with an error event (`errors.py`), never a
@@ -35,7 +36,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from nanollmserve.router.errors import error_response, stream_error_event
+from nanollmserve.router.errors import error_response, is_draining_answer, stream_error_event
 from nanollmserve.router.metrics import RouterMetrics
 from nanollmserve.router.workers import Worker, WorkerPool
 from nanollmserve.tracing.context import current_request_span
@@ -171,6 +172,8 @@ class Proxy:
             headers = response_headers(response)
             if response.status_code in RETRY_STATUSES:
                 content = await unless_gone(response.aread(), gone)
+                if is_draining_answer(response.status_code, content):
+                    worker.mark_down("it is draining")
                 answer = Response(content, response.status_code, headers=headers)
                 return Failure(f"{worker.url} answered {response.status_code}", answer)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
