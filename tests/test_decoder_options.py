@@ -31,7 +31,17 @@ from nanollmserve.native import ops, supported
 
 pytestmark = [pytest.mark.milestone("m28"), pytest.mark.timeout(600)]
 
-NON_DEFAULT = {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+NON_DEFAULT = {
+    "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    "activation": "gelu_tanh",
+    "norm_offset": 1.0,
+    "embed_scale": 8.0,
+    "sliding_window": 8,  # every layer slides (no layer_types); the prompts run past it
+    "layer_types": ("sliding_attention", "full_attention"),
+    "local_rope_theta": 1000.0,
+    "query_pre_attn_scalar": 24.0,
+    "final_logit_softcap": 5.0,
+}
 """A value other than the default for each field that is not a bool (a bool is negated)."""
 FIELDS = [field.name for field in fields(DecoderOptions)]
 

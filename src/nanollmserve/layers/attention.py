@@ -21,6 +21,12 @@ block_size, kv_heads]): the write quantizes, the native decode attention reads i
 place (dequantized in registers), and SDPA (fp8, GPUs, prefill over a cached prefix) reads
 the gathered blocks dequantized, never the whole pool. A prefill from position 0 attends to
 its own K/V as computed, before they are quantized.
+
+A sliding-window layer (`sliding_window`, Gemma 3's local layers) lets a query at position p
+see the keys at p - window + 1 .. p only: its masks (decode, prefill, prefill over a cached
+prefix) leave out the older keys, and its decodes take SDPA, not the native kernel (which
+reads whole contexts). Every key stays in the cache: the window is applied as the cache is
+read, so the blocks out of the window are not freed early.
 """
 
 from __future__ import annotations
@@ -29,13 +35,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanollmserve.layers.attention_context import get_context
+from nanollmserve.layers.attention_context import additive_mask, get_context
 from nanollmserve.layers.kv_quant import dequantize, quantize
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
+        """None: full attention; else each query sees its last `sliding_window` keys."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -98,7 +113,7 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, ctx) -> torch.Tensor:
         native = _native_kernels(q, self.k_cache, self.head_dim)
-        if native is not None and ctx.decode_context_lens is not None:
+        if native is not None and ctx.decode_context_lens is not None and not self.sliding_window:
             return self._decode_native(q, ctx)
         # Grouped-query trick: the query heads that share a KV head become that head's
         # "query length", so K/V are never repeated: [D, kv_heads, group, head_dim].
@@ -106,7 +121,12 @@ class PagedAttention(nn.Module):
         q = q.reshape(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
         k = self._gather(self.k_cache, ctx.decode_block_tables, self.k_scale, q.dtype)
         v = self._gather(self.v_cache, ctx.decode_block_tables, self.v_scale, q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=self.scale)
+        mask = ctx.decode_mask
+        if self.sliding_window:  # keys before len - window are out of the window
+            key_pos = torch.arange(mask.shape[-1], device=mask.device)
+            first = (ctx.decode_context_lens - self.sliding_window).view(-1, 1, 1, 1)
+            mask = mask.masked_fill(key_pos < first, float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     def _decode_native(self, q: torch.Tensor, ctx) -> torch.Tensor:
@@ -122,7 +142,18 @@ class PagedAttention(nn.Module):
 
     def _prefill(self, q, k, v, span) -> torch.Tensor:
         q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, dim]
-        if span.block_ids is None:
+        if span.block_ids is None and self.sliding_window and q.shape[2] > self.sliding_window:
+            k = k.transpose(0, 1).unsqueeze(0)
+            v = v.transpose(0, 1).unsqueeze(0)
+            pos = torch.arange(q.shape[2], device=q.device)
+            allowed = (pos[None, :] <= pos[:, None]) & (
+                pos[None, :] > pos[:, None] - self.sliding_window
+            )
+            mask = additive_mask(allowed, q.dtype)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        elif span.block_ids is None:
             k = k.transpose(0, 1).unsqueeze(0)
             v = v.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(
@@ -133,8 +164,15 @@ class PagedAttention(nn.Module):
             v = self._gather(self.v_cache, span.block_ids, self.v_scale, q.dtype)
             k = k[:, : span.context_len].unsqueeze(0)
             v = v[:, : span.context_len].unsqueeze(0)
+            mask = span.attn_mask
+            if self.sliding_window and span.context_len > self.sliding_window:
+                num_new = q.shape[2]
+                query_pos = torch.arange(span.context_len - num_new, span.context_len)
+                key_pos = torch.arange(span.context_len)
+                old = key_pos[None, :] <= query_pos[:, None] - self.sliding_window
+                mask = mask.masked_fill(old.to(mask.device), float("-inf"))
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
         return out.squeeze(0).transpose(0, 1)
 

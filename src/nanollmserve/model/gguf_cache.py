@@ -70,7 +70,7 @@ INFO_FILE = "nanollmserve_gguf.json"
 DENSE_WEIGHTS_FILE = "model.safetensors"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 """`general.architecture` values whose conversion gives a supported HF architecture."""
 _CHUNK = 1 << 20
 

@@ -44,6 +44,21 @@ _LAYER_NORMS = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 """`blk.N.<key>` -> our name under `model.layers.N` (stored as they are used)."""
+_GEMMA_LAYER_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+"""The same for Gemma 3's four norms per layer. llama.cpp stores every Gemma norm as 1 + w
+(the scale it multiplies by); the model holds w (`DecoderOptions.norm_offset`), so 1 is taken
+off as they are read, as transformers' GGUF loader does."""
+_NORM_SHIFTED_ARCHITECTURES = ("gemma3",)
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+"""GGUF architecture -> the HF `model_type` of its text model (a `gemma3` config is the
+multimodal one)."""
 _QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 _ROTARY_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 """llama.cpp interleaves the rotary halves of these files' q/k rows (`gguf_blocks.py`)."""
@@ -61,7 +76,7 @@ def write_model_files(gguf_path: Path, out_dir: Path) -> None:
     config = hf_config_dict(gguf)
     model_type = config["model_type"]
     if model_type not in MODEL_TYPE_TO_ARCHITECTURE:
-        raise UserError(f"unsupported GGUF architecture {model_type!r} in {gguf_path.name}")
+        raise UserError(f"unsupported GGUF architecture {gguf.architecture!r} in {gguf_path.name}")
     config |= {"architectures": [MODEL_TYPE_TO_ARCHITECTURE[model_type]], "dtype": "float32"}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     GenerationConfig.from_model_config(dict(config)).save_pretrained(out_dir)
@@ -79,6 +94,7 @@ def hf_config_dict(gguf: GGUFFile) -> dict:
     named_mistral = gguf.metadata.get("general.name") == "mistral"
     model_type = "mistral" if "llama" in architecture and named_mistral else architecture
     config = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
+    text_model_type = _MODEL_TYPES.get(model_type, model_type)
     for key, value in gguf.metadata.items():
         prefix, _, config_key = key.replace(architecture, model_type).partition(".")
         if isinstance(value, str) and architecture in value:
@@ -90,7 +106,35 @@ def hf_config_dict(gguf: GGUFFile) -> dict:
             config[renamed] = value
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in gguf.metadata:
         config["vocab_size"] = gguf.metadata["tokenizer.ggml.tokens"]  # its length
+    if model_type == "gemma3":
+        config |= _gemma3_settings(gguf, config)
+    config["model_type"] = text_model_type
     return config
+
+
+def _gemma3_settings(gguf: GGUFFile, config: dict) -> dict:
+    """What llama.cpp takes as given for a gemma3 file and transformers' key table does not
+    map: the attention scale (llama.cpp: 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the
+    62-layer 27B) and the global layers' linear RoPE scaling (4B and up)."""
+    settings: dict = {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if config.get("num_hidden_layers") == 62:
+        settings["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        settings["query_pre_attn_scalar"] = head_dim
+    scaling = gguf.metadata.get("gemma3.rope.scaling.type")
+    factor = gguf.metadata.get("gemma3.rope.scaling.factor")
+    theta = float(config.get("rope_theta", 1000000.0))
+    full: dict = {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear" and factor:
+        full = {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+    elif scaling not in (None, "none"):
+        raise UserError(f"unsupported RoPE scaling {scaling!r} in a gemma3 GGUF file")
+    settings["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    return settings
 
 
 def _tokenizer(gguf_path: Path, model_type: str):
@@ -121,10 +165,14 @@ def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.T
     out: the loader then finds a parameter missing and loads the dense weights instead."""
     gguf = read_gguf_file(gguf_path)
     permuted = gguf.architecture in _ROTARY_PERMUTED_ARCHITECTURES
+    norm_shift = 1.0 if gguf.architecture in _NORM_SHIFTED_ARCHITECTURES else 0.0
+    layer_norms = _GEMMA_LAYER_NORMS if gguf.architecture == "gemma3" else _LAYER_NORMS
     out: dict[str, torch.Tensor] = {}
 
     def add(name: str, gguf_name: str) -> None:
         out[name] = torch.from_numpy(gguf.dequantize(gguf_name))
+        if norm_shift and gguf_name.endswith("norm.weight"):
+            out[name] -= norm_shift
 
     if not embedding_in_output_blocks(config.tie_word_embeddings, output_block_kind(gguf, config)):
         add("model.embed_tokens.weight", "token_embd.weight")
@@ -134,7 +182,7 @@ def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.T
         add("lm_head.weight", "output.weight")
     for layer in range(config.num_layers):
         prefix, ours = f"blk.{layer}.", f"model.layers.{layer}."
-        for key, name in _LAYER_NORMS.items():
+        for key, name in layer_norms.items():
             if prefix + key in gguf.tensors:
                 add(ours + name, prefix + key)
         if prefix + "attn_output.bias" in gguf.tensors:

@@ -9,7 +9,7 @@ states of the tokens the runner samples into float32 logits.
 q/k/v are one matmul (`qkv_proj`) and so are gate/up (`gate_up_proj`); the loader packs the HF
 tensors into them (`packed_modules_mapping`). Every option that changes the math is a field of
 `DecoderOptions` (`decoder_options.py`), read from the config by `decoder_options`; Qwen2 and
-Qwen3 (`qwen.py`) are this decoder with other options.
+Qwen3 (`qwen.py`) and Gemma 3 (`gemma.py`) are this decoder with other options.
 
 Under tensor parallelism (`layers/parallel_linear.py`) each rank builds this same model with
 its share of the heads, the MLP width and the vocabulary; with a group of one the parallel
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanollmserve.distributed.parallel_state import get_tp_size
-from nanollmserve.layers.activation import SiluAndMul
+from nanollmserve.layers.activation import ACTIVATIONS
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.gguf_linear import GGUFLinear
@@ -49,7 +49,7 @@ from nanollmserve.model.native_decoder import NativeDecoder, NativeLayer, NotNat
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, options: DecoderOptions):
+    def __init__(self, config: ModelConfig, options: DecoderOptions, layer: int = 0):
         super().__init__()
         tp_size = get_tp_size()  # this rank's share of the heads; KV heads replicated if few
         self.num_heads = config.num_heads // tp_size
@@ -68,12 +68,15 @@ class LlamaAttention(nn.Module):
             config.num_heads * self.head_dim, config.hidden_size, bias=options.o_bias
         )
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.norm_offset)
         self.qk_norm = options.qk_norm
+        scalar = options.query_pre_attn_scalar or self.head_dim
+        window = options.sliding_window if options.is_sliding(layer) else None
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
-        )
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=scalar**-0.5,
+            sliding_window=window,
+        )  # fmt: skip
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
@@ -98,7 +101,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, options.mlp_bias
         self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = ACTIVATIONS[options.activation]()
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,12 +109,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, options: DecoderOptions):
+    def __init__(self, config: ModelConfig, options: DecoderOptions, layer: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, options)
+        self.self_attn = LlamaAttention(config, options, layer)
         self.mlp = LlamaMLP(config, options)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps, offset = config.hidden_size, config.rms_norm_eps, options.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        # With sandwich norms this one normalizes the attention output alone (Gemma); else it
+        # is the norm before the MLP, the residual added in.
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.sandwich_norms = options.sandwich_norms
+        if options.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.sliding = options.is_sliding(layer)
+        """Whether this layer reads the local RoPE table (`LlamaModel.rotary_emb_local`)."""
 
     def forward(
         self,
@@ -125,6 +137,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden)
+        if self.sandwich_norms:
+            hidden = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -136,16 +152,28 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, options.rope_scaling
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options) for _ in range(config.num_layers)
+        # The sliding layers' own table (Gemma 3: another base, no scaling), or None.
+        self.rotary_emb_local = (
+            None
+            if options.local_rope_theta is None
+            else RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, options.local_rope_theta, None
+            )
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
+        self.embed_scale = options.embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale != 1.0:  # HF casts the scale to the model dtype first
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         rope = self.rotary_emb.cos_sin(positions)  # once per step, shared by every layer
+        local = rope if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin(positions)
         for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
+            hidden, residual = layer(local if layer.sliding else rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -182,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=config.mlp_bias,
             tie_word_embeddings=config.tie_word_embeddings,
             rope_scaling=config.rope_scaling,
+            activation=config.hidden_act,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -194,7 +223,9 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
-        return gather_logits(logits, self.config.vocab_size).float()
+        logits = gather_logits(logits, self.config.vocab_size).float()
+        cap = self.options.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def native_decoder(self) -> NativeDecoder:
         """This model as the native decode step runs it (`model/native_decoder.py`), or
@@ -209,6 +240,12 @@ class LlamaForCausalLM(nn.Module):
             raise NotNativeError(
                 f"the weights are {embed.dtype} on {embed.device}, not float32 on the CPU"
             )
+
+        def folded(norm: RMSNorm) -> torch.Tensor:
+            """The norm's scale as the step multiplies by it: `offset + weight` folded into a
+            tensor of its own when the norm has an offset (Gemma's 1 + w), else the weight."""
+            return norm.weight + norm.offset if norm.offset else norm.weight
+
         layers = []
         for i, layer in enumerate(decoder.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -221,10 +258,10 @@ class LlamaForCausalLM(nn.Module):
             layers.append(
                 NativeLayer(
                     *projections,
-                    input_norm=layer.input_layernorm.weight,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    q_norm=attn.q_norm.weight if attn.qk_norm else None,
-                    k_norm=attn.k_norm.weight if attn.qk_norm else None,
+                    input_norm=folded(layer.input_layernorm),
+                    post_norm=folded(layer.post_attention_layernorm),
+                    q_norm=folded(attn.q_norm) if attn.qk_norm else None,
+                    k_norm=folded(attn.k_norm) if attn.qk_norm else None,
                     k_cache=attn.attn.k_cache,
                     v_cache=attn.attn.v_cache,
                     k_scale=attn.attn.k_scale,
@@ -243,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
             attn_scale=attention.attn.scale,
             embed=embed,
             embed_kind=embedding.kind if quantized_embed else 0,
-            final_norm=decoder.norm.weight,
+            final_norm=folded(decoder.norm),
             rope=decoder.rotary_emb.cos_sin_cache,
             lm_head=self.lm_head if isinstance(self.lm_head, GGUFLinear) else None,
             layers=tuple(layers),

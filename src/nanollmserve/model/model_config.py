@@ -21,9 +21,15 @@ from typing import Any
 import torch
 
 from nanollmserve.errors import UserError
-from nanollmserve.model.registry import MODEL_TYPE_TO_ARCHITECTURE, check_architecture
+from nanollmserve.model.registry import (
+    MODEL_TYPE_TO_ARCHITECTURE,
+    WINDOWED_ARCHITECTURES,
+    check_architecture,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""HF `hidden_act` / `hidden_activation` -> `DecoderOptions.activation`."""
 LLAMA_DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000,
     "hidden_size": 4096,
@@ -66,12 +72,23 @@ class ModelConfig:
     sliding_window: int | None
     """Window of sliding-window layers, if any (Mistral v0.1); None: full attention only."""
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    """`DecoderOptions.activation`: `silu` or `gelu_tanh`."""
+    layer_types: tuple[str, ...] | None = None
+    """Each layer's `sliding_attention` / `full_attention` where the config lists them."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding layers when it differs from the global one (Gemma 3)."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma's attention scale `query_pre_attn_scalar ** -0.5`; None: head_dim's."""
+    final_logit_softcapping: float | None = None
 
     @property
     def max_context_len(self) -> int:
-        """Longest sequence the native model computes exactly: it has full attention only,
-        which equals sliding-window attention as long as the sequence fits in the window."""
-        if self.sliding_window:
+        """Longest sequence the native model computes exactly. The Llama decoder of Mistral
+        and Qwen2 runs full attention, which equals sliding-window attention as long as the
+        sequence fits in the window; an architecture that honours the window
+        (`registry.WINDOWED_ARCHITECTURES`, Gemma 3) is not capped."""
+        if self.sliding_window and self.architecture not in WINDOWED_ARCHITECTURES:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -118,10 +135,15 @@ class ModelConfig:
         num_kv_heads = getattr(c, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
             raise UserError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads}")
-        act = getattr(c, "hidden_act", "silu")
-        if act != "silu":
-            raise UserError(f"unsupported hidden_act {act!r} (supported: silu)")
-        rope_theta, rope_scaling = _rope_settings(c)
+        act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None) or "silu"
+        if act not in HIDDEN_ACTIVATIONS:
+            raise UserError(
+                f"unsupported hidden_act {act!r} (supported: {', '.join(HIDDEN_ACTIVATIONS)})"
+            )
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            raise UserError("attention logit soft-capping is not supported (Gemma 2)")
+        rope_theta, rope_scaling, local_theta = _layer_rope_settings(c)
+        layer_types = getattr(c, "layer_types", None)
         return cls(
             architecture=architecture,
             hidden_size=c.hidden_size,
@@ -140,7 +162,37 @@ class ModelConfig:
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
             sliding_window=_sliding_window(c),
             eos_token_ids=_unique(_as_list(getattr(c, "eos_token_id", None)), extra_eos_token_ids),
+            hidden_act=HIDDEN_ACTIVATIONS[act],
+            layer_types=tuple(layer_types) if layer_types else None,
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=_float_or_none(getattr(c, "query_pre_attn_scalar", None)),
+            final_logit_softcapping=_float_or_none(getattr(c, "final_logit_softcapping", None)),
         )
+
+
+def _layer_rope_settings(c: Any) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(theta, scaling) of the global layers and the sliding layers' own theta, or None.
+
+    transformers 5 gives Gemma 3 one `rope_parameters` per layer type; before it, a
+    `rope_local_base_freq` beside the global settings."""
+    params = getattr(c, "rope_parameters", None) or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or params["sliding_attention"]
+        theta, scaling = _rope_settings(SimpleNamespace(rope_parameters=full))
+        sliding = params.get("sliding_attention")
+        if sliding is None:
+            return theta, scaling, None
+        local_theta, local_scaling = _rope_settings(SimpleNamespace(rope_parameters=sliding))
+        if local_scaling is not None:
+            raise UserError("RoPE scaling on the sliding-window layers is not supported")
+        return theta, scaling, local_theta
+    theta, scaling = _rope_settings(c)
+    local = getattr(c, "rope_local_base_freq", None)
+    return theta, scaling, None if local is None else float(local)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _rope_settings(c: Any) -> tuple[float, dict[str, Any] | None]:

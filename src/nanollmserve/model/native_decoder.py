@@ -12,7 +12,9 @@ forward. Which options the native step implements is its own statement
 The options the native step runs, each with its parity test (tests/test_decoder_options.py,
 tests/test_native_decode.py): q/k/v and o biases (Llama `attention_bias`, Qwen2), MLP biases
 (`mlp_bias`), q/k RMSNorm per head (Qwen3), a tied or untied output projection (in GGUF
-blocks, or left to `compute_logits`), any rotary scaling (baked into the cos/sin table).
+blocks, or left to `compute_logits`), any rotary scaling (baked into the cos/sin table), a
+norm offset (Gemma's 1 + w, folded into the declared norm scales) and a query scale other than
+head_dim's (`attn_scale` is the attention's own). Gemma 3's other options are refused.
 """
 
 from __future__ import annotations

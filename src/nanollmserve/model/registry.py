@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
@@ -26,8 +27,14 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
-"""For the rare config.json without an `architectures` list."""
+"""For the rare config.json without an `architectures` list (and a GGUF file's converted
+config: `gguf_convert.py` writes a `gemma3` file's config as `gemma3_text`)."""
+
+WINDOWED_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
+"""Architectures whose decoder honours their sliding window (`DecoderOptions.sliding_window`):
+the engine does not cap their context at the window (`ModelConfig.max_context_len`)."""
 
 
 def check_architecture(architecture: str) -> None:

@@ -22,6 +22,8 @@ SUPPORTED = frozenset(
         "qk_norm",  # RMSNorm of each q and k head before the rotation
         "tie_word_embeddings",  # the output projection's blocks, or the model's compute_logits
         "rope_scaling",  # the model's cos/sin table, scaling baked in, is what the step reads
+        "norm_offset",  # folded into the norm scales at declaration (`offset + w`, Gemma's 1 + w)
+        "query_pre_attn_scalar",  # the step reads the attention's own scale (`attn_scale`)
     }
 )
 """Names of the `DecoderOptions` fields the native step runs at any value."""
