@@ -61,9 +61,12 @@ def test_the_writer_streams_tensors(tmp_path: Path) -> None:
     holds one tensor at a time, never the model (its peak was 200-440 MB here, varying with
     the allocator; holding the model would take the file's size and more)."""
     path = tmp_path / "stream.gguf"
+    # VmHWM is this process's own peak: ru_maxrss would also count the parent's RSS at the
+    # fork (Linux keeps it across exec), and a pytest worker holding models is GBs.
     code = (
-        "import resource, sys; sys.path.insert(0, sys.argv[1]); import make_bench_model as m; "
-        "m.main(sys.argv[2:]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "import re, sys; sys.path.insert(0, sys.argv[1]); import make_bench_model as m; "
+        "m.main(sys.argv[2:]); "
+        "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])"
     )
     flags = ("--hidden", "512", "--layers", "24", "--heads", "8", "--kv-heads", "2",
              "--ffn", "8192")  # fmt: skip

@@ -73,14 +73,39 @@ def complete(server: LiveServer, prompt: str, **fields) -> httpx.Response:
         return client.post("/v1/completions", json={**body, **fields})
 
 
-def disaggregated(prefill: LiveServer, decode: LiveServer, prompt: str) -> tuple[dict, dict]:
+def disaggregated(
+    prefill: LiveServer, decode: LiveServer, prompt: str, **fields
+) -> tuple[dict, dict]:
     """(phase 1's kv_transfer_params, phase 2's response) for one prompt."""
     first = complete(prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     assert first.status_code == 200, first.text
     handed = first.json()["kv_transfer_params"]
-    second = complete(decode, prompt, kv_transfer_params={"do_remote_prefill": True, **handed})
+    second = complete(
+        decode, prompt, kv_transfer_params={"do_remote_prefill": True, **handed}, **fields
+    )
     assert second.status_code == 200, second.text
     return handed, second.json()
+
+
+NEAR_TIE = 0.05
+"""Nats between the reference's two likeliest tokens below which the two servers' float
+arithmetic (K/V computed by another step shape, the halves read back) may pick either."""
+
+
+def same_greedy_up_to_a_near_tie(answer: dict, expected: dict) -> None:
+    """The greedy tokens are the reference's, up to the end or to a position where the
+    reference's top two tokens were within NEAR_TIE (from there the answers may part; seen
+    once at token 48 of 64 on the AVX2 build). Handed-over K/V that were wrong would part
+    the answers at once, far from any tie."""
+    ours, theirs = answer["token_ids"], expected["token_ids"]
+    top = expected["logprobs"]["top_logprobs"]
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a != b:
+            first, second = sorted(top[i].values(), reverse=True)[:2]
+            assert first - second < NEAR_TIE, (i, first, second)
+            assert i >= 16, f"the answers part at token {i}"
+            return
+    assert answer["text"] == expected["text"]
 
 
 def store_files(store) -> set:
@@ -117,15 +142,16 @@ def test_disaggregated_greedy_output_equals_a_colocated_servers(workers, store):
     # The colocated answers are asked for all at once (greedy tokens do not depend on the
     # batch: test_engine_generation.py::test_batch_invariance); the workers' one at a time.
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        references = list(pool.map(lambda prompt: complete(colocated, prompt).json(), PROMPTS))
+        references = list(
+            pool.map(lambda prompt: complete(colocated, prompt, logprobs=2).json(), PROMPTS)
+        )
     for prompt, expected in zip(PROMPTS, references, strict=True):
-        handed, answer = disaggregated(prefill, decode, prompt)
+        handed, answer = disaggregated(prefill, decode, prompt, logprobs=2)
         num_prompt = expected["usage"]["prompt_tokens"]
         assert handed["remote_blocks"] == num_prompt // BLOCK_SIZE
         assert handed["remote_tokens"] == handed["remote_blocks"] * BLOCK_SIZE
         assert handed["first_token_id"] == expected["choices"][0]["token_ids"][0]
-        assert answer["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
-        assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+        same_greedy_up_to_a_near_tie(answer["choices"][0], expected["choices"][0])
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         # Every full block but the one holding the last prompt token (always computed here).
         assert cached >= (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE > 0

@@ -168,10 +168,12 @@ def test_prompt_logprobs_with_n_are_computed_once_and_given_to_every_choice(defa
 
 
 # -- the default limits -------------------------------------------------------------------------
+@pytest.mark.timeout(900)
 def test_default_total_is_eight_contexts_over_http_and_grpc(default_server):
-    """9 prompts of 500 tokens (4,500 > 8 x 512) are refused before any runs; 8 are served."""
+    """9 prompts of 500 tokens (4,500 > 8 x 512) are refused before any runs; 8 are served
+    (4,000 prompt tokens: minutes on one loaded core, hence the long read timeout)."""
     limit = 8 * CONTEXT
-    with default_server.client() as client:
+    with default_server.client(timeout=600) as client:
         before = _computed_prompt_tokens(client)
         response = client.post(
             "/v1/completions",

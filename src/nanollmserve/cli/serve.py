@@ -213,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
         run_torchrun_worker(config)  # a torchrun rank > 0 runs the model, serves nothing
         return 0
     args.lora_modules = _lora_modules(args, config)
+    bundled = not config.model and not config.tokenizer
+    if bundled and args.chat_template is None and args.tool_call_parser is None:
+        # the bundled model's default template asks for tool calls the hermes parser reads
+        # (set before the settings are read from the flags)
+        args.enable_auto_tool_choice, args.tool_call_parser = True, BUNDLED_TOOL_CALL_PARSER
     settings = server_settings_from_args(args)  # a bad CORS list fails before the model loads
     args.default_chat_template_kwargs = _chat_template_kwargs(args.default_chat_template_kwargs)
     _check_tls(args)
@@ -221,11 +226,7 @@ def run(args: argparse.Namespace) -> int:
         from nanollmserve.generation_config import load_generation_defaults
 
         load_generation_defaults(args.generation_config)  # a bad PATH fails here
-    bundled = not config.model and not config.tokenizer
     chat_template = load_chat_template(args.chat_template, bundled_model=bundled)
-    if bundled and args.chat_template is None and args.tool_call_parser is None:
-        # the bundled model's default template asks for tool calls the hermes parser reads
-        args.enable_auto_tool_choice, args.tool_call_parser = True, BUNDLED_TOOL_CALL_PARSER
     sock = _bind(args.host, args.port)
     try:
         return asyncio.run(
