@@ -1,5 +1,5 @@
 """Where the native step beats the PyTorch forward on prefill: the table behind
-`NATIVE_PREFILL_MAX_TOKENS` and `NATIVE_MAX_TOKENS` (engine/model_runner.py).
+`NATIVE_PREFILL_MAX_TOKENS` and `NATIVE_MAX_TOKENS` (engine/step_batch.py).
 
     .venv/bin/python scripts/native_prefill_crossover.py [--repeats 3] [--output FILE.json]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import nanollmserve.engine.model_runner as model_runner  # noqa: E402
+import nanollmserve.engine.step_batch as step_batch  # noqa: E402
 from nanollmserve import LLM, SamplingParams  # noqa: E402
 from nanollmserve.bench.provenance import provenance  # noqa: E402
 
@@ -32,8 +32,8 @@ SHAPES = ((8, 64), (4, 128), (2, 256), (1, 512))
 
 def timed_prefill(llm: LLM, num_prompts: int, length: int, path: str, seed: int) -> float:
     native = path == "native"
-    model_runner.NATIVE_PREFILL_MAX_TOKENS = 4096 if native else 0
-    model_runner.NATIVE_MAX_TOKENS = 4096 if native else 0
+    step_batch.NATIVE_PREFILL_MAX_TOKENS = 4096 if native else 0
+    step_batch.NATIVE_MAX_TOKENS = 4096 if native else 0
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(num_prompts)]
     start = time.perf_counter()
@@ -46,7 +46,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    limits = (model_runner.NATIVE_PREFILL_MAX_TOKENS, model_runner.NATIVE_MAX_TOKENS)
+    limits = (step_batch.NATIVE_PREFILL_MAX_TOKENS, step_batch.NATIVE_MAX_TOKENS)
     llm = LLM(max_num_batched_tokens=512)
     timed_prefill(llm, 4, 128, "native", 1)  # warm-up, both paths
     timed_prefill(llm, 4, 128, "forward", 2)

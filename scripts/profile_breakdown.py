@@ -5,7 +5,8 @@
 
 Offline part: the bundled model (CPU default dtype), B requests decoding together; each
 step is split, with wall-clock timers around the engine's own functions (no profiler, whose
-per-op cost would distort a step of ~1000 small ops), into scheduling, input building, model
+per-op cost would distort a step of ~1000 small ops), into scheduling, input building (the
+step's `StepBatch`, and the forward's attention context from it), model
 forward, the attention layers inside it (K/V store, gather through the block tables, SDPA),
 logits (or, with GGUF blocks, the native decode step that does all three, itself split by
 its own timers into its products, attention, rotary + K/V write and the rest:
@@ -33,6 +34,7 @@ import torch
 
 from nanollmserve import LLM, SamplingParams
 from nanollmserve.engine.messages import EngineCoreRequest
+from nanollmserve.engine.step_batch import StepBatch
 from nanollmserve.layers.attention import PagedAttention
 
 
@@ -63,7 +65,8 @@ def offline(llm: LLM, batch: int, steps: int, path: str) -> dict:
     originals = [
         (engine.scheduler, "schedule", "schedule"),
         (engine.scheduler, "update_from_output", "update"),
-        (runner, "_prepare_inputs", "inputs"),
+        (StepBatch, "of_scheduled", "inputs"),
+        (runner, "_forward_inputs", "inputs"),
         (runner.model, "forward", "forward"),
         (PagedAttention, "forward", "attention"),
         (runner.model, "compute_logits", "logits"),

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from nanollmserve import LLM, LoRARequest, SamplingParams
-from nanollmserve.engine.native_decode import StepSpan
+from nanollmserve.engine.step_batch import StepBatch, StepSpan
 from nanollmserve.errors import UserError
 from nanollmserve.layers import attention as attention_module
 from nanollmserve.layers.attention_context import (
@@ -277,7 +277,7 @@ class LastToken:
 
     def native(self) -> torch.Tensor:
         return self.runner.native_decode(
-            [StepSpan(self.ids[self.position :], self.position, self.block_ids, 1)]
+            StepBatch.of([StepSpan(self.ids[self.position :], self.position, self.block_ids, 1)])
         )
 
     def forward(self) -> torch.Tensor:
@@ -647,10 +647,11 @@ def test_a_span_attends_as_tiles_like_its_tokens_one_at_a_time(engines, kv_dtype
     bs = runner.block_size
     block_ids = [(7 * i + 2) % 64 for i in range(len(ids) // bs + 1)]
     one_at_a_time = [
-        runner.native_decode([StepSpan([ids[p]], p, block_ids, 1)])[0] for p in range(len(ids))
+        runner.native_decode(StepBatch.of([StepSpan([ids[p]], p, block_ids, 1)]))[0]
+        for p in range(len(ids))
     ]
-    runner.native_decode([StepSpan(ids[:19], 0, block_ids, 0)])
-    span = runner.native_decode([StepSpan(ids[19:], 19, block_ids, len(ids) - 19)])
+    runner.native_decode(StepBatch.of([StepSpan(ids[:19], 0, block_ids, 0)]))
+    span = runner.native_decode(StepBatch.of([StepSpan(ids[19:], 19, block_ids, len(ids) - 19)]))
     # Measured: float32 at most 6e-4 (the span's products sum in another order), int8 up to
     # 2.5e-2 (the span writes its own K/V rows, and a row computed in another order rounds to
     # codes one apart, which the later positions read); a wrong mask, scale or weight is

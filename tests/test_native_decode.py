@@ -20,7 +20,8 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from nanollmserve import LLM, SamplingParams
-from nanollmserve.engine.native_decode import NativeDecodeStep, StepSpan
+from nanollmserve.engine.native_decode import NativeDecodeStep
+from nanollmserve.engine.step_batch import StepBatch, StepSpan
 from nanollmserve.errors import UserError
 from nanollmserve.layers.attention_context import AttentionContext, PrefillSpan, set_context
 from nanollmserve.layers.gguf_linear import GGUFLinear
@@ -45,15 +46,15 @@ class CountingStep:
         self.step = step
         self.calls: list[tuple[int, torch.Tensor]] = []
 
-    def __call__(self, spans: list[StepSpan]) -> torch.Tensor:
-        logits = self.step(spans)
-        self.calls.append((spans[0].position, logits.clone()))
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        logits = self.step(batch)
+        self.calls.append((batch.spans[0].position, logits.clone()))
         return logits
 
 
 def forward_logits(runner, scheduled) -> torch.Tensor:
     """The PyTorch forward's logits for the same step."""
-    input_ids, positions, _, logits_indices = runner._prepare_inputs(scheduled)
+    input_ids, positions, logits_indices = runner._forward_inputs(StepBatch.of_scheduled(scheduled))
     return runner.run_model(input_ids, positions, logits_indices)
 
 
@@ -76,7 +77,7 @@ def native_against_forward(llm, token_ids: list[int], position: int, num_tokens:
     kv_reference = kv[:, :, new].clone()
     kv[:, :, new] = 0.0
     native = runner.native_decode(
-        [StepSpan(token_ids[position:total], position, block_ids, num_tokens)]
+        StepBatch.of([StepSpan(token_ids[position:total], position, block_ids, num_tokens)])
     )
     assert native.shape == reference.shape
     worst = max(float((n - r).norm() / r.norm()) for n, r in zip(native, reference, strict=True))
@@ -96,9 +97,9 @@ def check_step_against_forward(llm, prompts, max_tokens: int) -> tuple[Counter, 
 
     def execute_and_compare(scheduled):
         nonlocal worst
-        spans = runner._native_spans(scheduled)
-        if spans is not None and any(span.num_logits for span in spans):
-            native = step(spans)
+        batch = StepBatch.of_scheduled(scheduled)
+        if batch.native_eligible and batch.sample_rows:
+            native = step(batch)
             reference = forward_logits(runner, scheduled)
             worst = max(worst, float((native - reference).norm() / reference.norm()))
         return execute(scheduled)
@@ -192,7 +193,7 @@ def test_a_batched_native_step_equals_the_forward_for_mixed_sequences(make_llm, 
         kv[:, :, slots] = 0.0
         tokens = token_ids[seq + position : seq + position + count]
         spans.append(StepSpan(tokens, position, table, num_logits))
-    native = runner.native_decode(spans)
+    native = runner.native_decode(StepBatch.of(spans))
     assert native.shape[0] == sum(num_logits for _, _, num_logits in shapes)
     first = 0
     for seq, (position, count, num_logits) in enumerate(shapes):
@@ -253,11 +254,11 @@ def test_a_verify_span_gives_the_bits_of_its_tokens_one_at_a_time(make_llm, kv_c
         worst, kv_error = native_against_forward(llm, token_ids, position, 5)
         assert worst < tolerance and kv_error < tolerance, (position, worst, kv_error)
         span = runner.native_decode(
-            [StepSpan(token_ids[position : position + 5], position, block_ids, 5)]
+            StepBatch.of([StepSpan(token_ids[position : position + 5], position, block_ids, 5)])
         )
         one_at_a_time = torch.cat(
             [
-                runner.native_decode([StepSpan([token_ids[p]], p, block_ids, 1)])
+                runner.native_decode(StepBatch.of([StepSpan([token_ids[p]], p, block_ids, 1)]))
                 for p in range(position, position + 5)
             ]
         )

@@ -209,6 +209,11 @@ def native_model(**fields):
         "negative position",
         "past max_context",
         "table short of the last token",
+        "a sequence's blocks short of its token",
+        "token past the vocabulary",
+        "block outside the pool",
+        "a block before the token's outside the pool",
+        "a block id below -1",
         "table on meta",
         "table 1-dimensional",
         "out float64",
@@ -238,6 +243,16 @@ def test_decode_step_refuses_bad_inputs_before_native_code(change, no_native_cod
             positions = torch.tensor([30, 31, 32])
         case "table short of the last token":
             table = table[:, :1]
+        case "a sequence's blocks short of its token":
+            table = torch.tensor([[0, -1], [2, 3]])  # position 16 of sequence 0: block 2
+        case "a block before the token's outside the pool":
+            table = torch.tensor([[4, 1], [2, 3]])  # sequence 0's tokens attend through it
+        case "a block id below -1":
+            table = torch.tensor([[0, 1], [-2, 3]])
+        case "token past the vocabulary":
+            tokens = torch.tensor([1, 2, 10])
+        case "block outside the pool":
+            table = torch.tensor([[0, 1], [4, 0]])
         case "table on meta":
             table = table.to(META)
         case "table 1-dimensional":
@@ -247,6 +262,15 @@ def test_decode_step_refuses_bad_inputs_before_native_code(change, no_native_cod
         case "out too small":
             out = torch.empty(1, 7)
     with pytest.raises(ValueError, match="native decode step"):
+        ops.decode_step(model, tokens, positions, seqs, table, rows, out)
+
+
+def test_decode_step_passes_valid_inputs_to_native_code(no_native_code):
+    """The control of the test above: its inputs unchanged pass every check."""
+    model, tokens, positions = native_model(), torch.tensor([1, 2, 3]), torch.tensor([15, 16, 3])
+    seqs, table = torch.tensor([0, 0, 1]), torch.tensor([[0, 1], [2, 3]])
+    rows, out = torch.tensor([1, 2]), torch.empty(2, 8)
+    with pytest.raises(AssertionError, match="native code was reached"):
         ops.decode_step(model, tokens, positions, seqs, table, rows, out)
 
 

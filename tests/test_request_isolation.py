@@ -185,7 +185,7 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     import ctypes
     from types import SimpleNamespace
 
-    from nanollmserve.engine.native_decode import StepSpan
+    from nanollmserve.engine.step_batch import StepBatch, StepSpan
     from nanollmserve.native import ops
 
     if ops.kernels_unavailable_reason():
@@ -205,11 +205,11 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
         ([], 0, [0], "at least one token"),
     ]:
         with pytest.raises(ValueError, match=what):
-            step([StepSpan(tokens, position, blocks, 1)])
+            step(StepBatch.of([StepSpan(tokens, position, blocks, 1)]))
     with pytest.raises(ValueError, match="num_logits"):
-        step([StepSpan([1, 2], 0, [0], 3)])
+        step(StepBatch.of([StepSpan([1, 2], 0, [0], 3)]))
     with pytest.raises(ValueError, match="vocabulary"):  # the second sequence's token
-        step([StepSpan([1], 0, [0], 1), StepSpan([vocab], 0, [1], 1)])
+        step(StepBatch.of([StepSpan([1], 0, [0], 1), StepSpan([vocab], 0, [1], 1)]))
 
     def raw_step(
         tokens: list[int], position: int, blocks: list[int], scratch: int = 0, seq: int = 0

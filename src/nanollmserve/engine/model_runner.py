@@ -13,7 +13,9 @@ the attention context, runs the model on the flat batch, computes logits only at
 positions that sample, and samples. A one-token step runs its matmuls on the CPU kernel that
 is fastest for one row (`layers/cpu_matmul.py`); with the weights in GGUF blocks, a step
 whose requests each run a few tokens (their next tokens, verify steps, short prefill chunks:
-`_native_spans`) runs as a single native call instead (`engine/native_decode.py`).
+`StepBatch.native_eligible`) runs as a single native call instead (`engine/native_decode.py`).
+Either way the step is worked out once, as a `StepBatch` (`engine/step_batch.py`: token
+slices, positions, padded block tables, logit rows), which both paths read.
 
 Failure isolation: what comes after the logits (sampling metadata, grammar masks, the
 sampler) belongs to one request per row, so when it raises the step is sampled again request
@@ -42,11 +44,11 @@ import torch
 from torch import nn
 
 from nanollmserve.engine.messages import RequestFailure, SampledToken, TokenLogprobs
-from nanollmserve.engine.native_decode import NativeDecodeStep, StepSpan
-from nanollmserve.engine.prompt_logprobs import PromptLogprobRows
+from nanollmserve.engine.native_decode import NativeDecodeStep
 from nanollmserve.engine.request import Request
 from nanollmserve.engine.scheduler import SchedulerOutput
 from nanollmserve.engine.spec_decode.rejection_sampler import num_accepted
+from nanollmserve.engine.step_batch import StepBatch
 from nanollmserve.engine.structured_output import GrammarBitmask
 from nanollmserve.layers.attention import PagedAttention
 from nanollmserve.layers.attention_context import (
@@ -64,15 +66,6 @@ from nanollmserve.layers.sampler import Penalties, Sampler, SamplerOutput, Sampl
 logger = logging.getLogger(__name__)
 
 FAIL_SAMPLING_SEED_ENV = "NANOLLMSERVE_FAIL_SAMPLING_SEED"
-NATIVE_PREFILL_MAX_TOKENS = 256
-"""The longest prefill chunk of a request that runs on the native step. Measured on the
-bundled model (2-core Xeon with AMX, whose tiles both paths' matmuls use from 64 rows), steps
-of 512 prefill tokens, native / forward time since a span attends as tiles
-(`scripts/native_prefill_crossover.py`, three runs): 8 x 64 tokens 0.81-0.86, 4 x 128
-0.81-0.90, 2 x 256 0.89-0.92, 1 x 512 0.96-1.02 (even: left to the forward's SDPA)."""
-NATIVE_MAX_TOKENS = 512
-"""The most tokens of a step that runs as one native call: the default
-`max_num_batched_tokens`, the largest step measured above."""
 
 
 class InjectedSamplingFailure(RuntimeError):
@@ -131,20 +124,20 @@ class ModelRunner:
         """The tokens each request emits: one, none (a prefill chunk short of the prompt's
         end) or, with draft tokens, the accepted drafts and one more; a `RequestFailure`
         for a request whose own sampling raised (`_sample`)."""
-        spans = self._native_spans(scheduled)
-        if spans is not None:
-            self.native_steps[self._native_kind(scheduled, spans)] += 1
-            logits = self.native_decode(spans)
-            sample_rows = [i for i, span in enumerate(spans) if span.num_logits]
+        batch = StepBatch.of_scheduled(scheduled)
+        sample_rows = batch.sample_rows
+        if self.native_decode is not None and batch.native_eligible:
+            self.native_steps[batch.kind] += 1
+            logits = self.native_decode(batch)
             logits = logits if sample_rows else None
         else:
-            input_ids, positions, sample_rows, logits_indices = self._prepare_inputs(scheduled)
-            prompt_rows = PromptLogprobRows.of(scheduled)  # scored after the sampling rows
-            indices = prompt_rows.with_positions(
-                logits_indices if sample_rows else None, self.device
-            )
-            logits = self.run_model(input_ids, positions, indices)
-            logits = prompt_rows.take(logits, len(logits_indices))
+            input_ids, positions, logits_indices = self._forward_inputs(batch)
+            prompt_rows = batch.prompt_rows  # scored after the sampling rows
+            if prompt_rows is not None:
+                logits_indices = prompt_rows.with_positions(logits_indices, self.device)
+            logits = self.run_model(input_ids, positions, logits_indices)
+            if prompt_rows is not None:
+                logits = prompt_rows.take(logits, batch.logit_rows.shape[0])
         if logits is None:
             return [[] for _ in scheduled.requests]
         # One logits row per sampled position: k + 1 for a request with k drafts.
@@ -218,44 +211,6 @@ class ModelRunner:
         self.grammar_bitmask.apply(logits, requests, row_drafts)
         return _to_sampled_tokens(self.sampler(logits, meta), requests)
 
-    def _native_spans(self, scheduled: SchedulerOutput) -> list[StepSpan] | None:
-        """The step as native spans, one per request, or None (the forward runs it): without
-        prompt logprobs, at most NATIVE_MAX_TOKENS tokens, each request running its next
-        token (decode), its last token and its drafts (verify: logits at each), or a prefill
-        chunk of at most NATIVE_PREFILL_MAX_TOKENS tokens (the last token's logits at the
-        prompt's end, none before). What holds for every step (one rank: a sharded model
-        declares no native decoder; the model's options) was settled at load: `native_decode`
-        is None then."""
-        if self.native_decode is None:
-            return None
-        if sum(scheduled.num_new_tokens) > NATIVE_MAX_TOKENS or PromptLogprobRows.of(scheduled):
-            return None
-        spans = []
-        for request, num_new, block_ids in zip(
-            scheduled.requests, scheduled.num_new_tokens, scheduled.block_ids, strict=True
-        ):
-            start = request.num_computed_tokens
-            drafts = scheduled.spec_token_ids.get(request.request_id, [])
-            if start + 1 < request.num_tokens and num_new > NATIVE_PREFILL_MAX_TOKENS:
-                return None
-            token_ids = request.all_token_ids[start : start + num_new - len(drafts)] + drafts
-            samples = start + num_new == request.num_tokens + len(drafts)
-            spans.append(StepSpan(token_ids, start, block_ids, len(drafts) + 1 if samples else 0))
-        return spans
-
-    @staticmethod
-    def _native_kind(scheduled: SchedulerOutput, spans: list[StepSpan]) -> str:
-        """What `native_steps` counts the step as: prefill (a prefill chunk in it), verify
-        (drafts in it), else decode; `batched-` when it runs several requests."""
-        if any(
-            span.position + 1 < request.num_tokens
-            for span, request in zip(spans, scheduled.requests, strict=True)
-        ):
-            kind = "prefill"
-        else:
-            kind = "verify" if any(scheduled.spec_token_ids.values()) else "decode"
-        return kind if len(spans) == 1 else f"batched-{kind}"
-
     @torch.inference_mode()
     def run_model(
         self,
@@ -285,71 +240,49 @@ class ModelRunner:
     def run_hidden_states(self, scheduled: SchedulerOutput) -> torch.Tensor:
         """The final normed hidden state of every scheduled token, in the flat batch's order:
         what the pooling runner pools (`engine/pooling.py`); no logits, nothing sampled."""
-        input_ids, positions, _, _ = self._prepare_inputs(scheduled)
+        input_ids, positions, _ = self._forward_inputs(StepBatch.of_scheduled(scheduled))
         return self.run_model(input_ids, positions, None, return_hidden=True)
 
-    def _prepare_inputs(self, scheduled: SchedulerOutput):
-        requests, num_new = scheduled.requests, scheduled.num_new_tokens
-        starts = [r.num_computed_tokens for r in requests]
-        spec = scheduled.spec_token_ids
-        num_drafts = [len(spec.get(r.request_id, ())) for r in requests]
-        token_ids: list[int] = []
-        for request, start, n, k in zip(requests, starts, num_new, num_drafts, strict=True):
-            if k:  # the last token, then the drafts
-                token_ids.extend(request.all_token_ids[start:] + spec[request.request_id])
-            else:
-                token_ids.extend(request.all_token_ids[start : start + n])
-
+    def _forward_inputs(
+        self, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The PyTorch forward's view of the batch: its attention context set (where each
+        token's K/V is written, the decodes' block tables and lengths, the prefill spans),
+        and its input ids, positions and logits indices (None: nothing samples) on the
+        device."""
         bs = self.block_size
-        lens = torch.tensor(num_new)
-        ctx_lens = torch.tensor(starts) + lens
-        ends = torch.cumsum(lens, 0)
-        request_of_token = torch.repeat_interleave(torch.arange(len(requests)), lens)
-        positions = torch.arange(len(token_ids)) - (ends - ctx_lens)[request_of_token]
-        tables = scheduled.block_ids
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        slot_mapping = block_tables[request_of_token, positions // bs] * bs + positions % bs
-
-        num_decodes = scheduled.num_decodes
+        positions, block_tables = batch.positions, batch.block_tables
+        slot_mapping = block_tables[batch.seq_of_token, positions // bs] * bs + positions % bs
+        num_decodes = batch.num_decodes
         context = AttentionContext(
             slot_mapping=slot_mapping.to(self.device), num_decode_tokens=num_decodes
         )
+        context_lens = batch.context_lens
         if num_decodes:
-            decode_lens = ctx_lens[:num_decodes]
-            num_blocks = -(-int(decode_lens.max()) // bs)
+            decode_lens = torch.tensor(context_lens[:num_decodes])
+            num_blocks = -(-max(context_lens[:num_decodes]) // bs)
             key_pos = torch.arange(num_blocks * bs)
             mask = additive_mask(key_pos[None, :] < decode_lens[:, None], self.dtype)
-            context.decode_block_tables = block_tables[:num_decodes, :num_blocks].to(self.device)
+            tables = block_tables[:num_decodes, :num_blocks].clamp_min(0)  # -1 pads: block 0
+            context.decode_block_tables = tables.to(self.device)
             context.decode_mask = mask.view(num_decodes, 1, 1, -1).to(self.device)
             context.decode_context_lens = decode_lens.to(self.device)
-        ends_list = ends.tolist()
-        for i in range(num_decodes, len(requests)):
-            query_end = ends_list[i]
-            query_start = query_end - num_new[i]
-            if starts[i] == 0:
-                context.prefills.append(PrefillSpan(query_start, query_end, num_new[i]))
+        for i in range(num_decodes, len(batch.spans)):
+            span, query_end = batch.spans[i], batch.ends[i]
+            query_start = query_end - len(span.token_ids)
+            if span.position == 0:
+                context.prefills.append(
+                    PrefillSpan(query_start, query_end, query_end - query_start)
+                )
             else:
-                ctx_len = starts[i] + num_new[i]
+                ctx_len = context_lens[i]
                 block_ids = block_tables[i, : -(-ctx_len // bs)].to(self.device)
                 context.prefills.append(
                     PrefillSpan.over_cache(query_start, query_end, ctx_len, block_ids, self.dtype)
                 )
         set_context(context)
-
-        sample_rows = [
-            i
-            for i, (r, start, n, k) in enumerate(
-                zip(requests, starts, num_new, num_drafts, strict=True)
-            )
-            if start + n == r.num_tokens + k
-        ]
-        logits_indices = torch.tensor(
-            [p for i in sample_rows for p in range(ends_list[i] - 1 - num_drafts[i], ends_list[i])],
-            device=self.device,
-        )
-        input_ids_t = torch.tensor(token_ids, device=self.device)
-        return input_ids_t, positions.to(self.device), sample_rows, logits_indices
+        logits_indices = batch.logit_rows.to(self.device) if batch.sample_rows else None
+        return batch.token_ids.to(self.device), positions.to(self.device), logits_indices
 
     def _sampling_metadata(self, requests: list[Request], vocab_size: int) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
@@ -410,7 +343,7 @@ class ModelRunner:
         bound to the layers (views of its K and V planes and scales), and the native step
         built on its addresses: a step of decode tokens, verify spans and short prefill
         chunks, of one request or several, runs as one native call when the model allows it
-        (`_native_spans`)."""
+        (and the step's batch: `StepBatch.native_eligible`)."""
         self.kv_cache = zeroed_tensor(self._kv_shape, self.kv_cache_dtype, self.device)
         if is_quantized(self.kv_cache_dtype):
             self.kv_scales = zeroed_tensor(self._kv_shape[:-1], SCALE_DTYPE, self.device)

@@ -6,12 +6,14 @@ dispatch costs more than their arithmetic. With the weights in GGUF blocks
 (`--quantization gguf`), the whole step (token ids to logits) runs as `nls_decode_step` in
 `native/gguf_cpu.c` (through `native/ops.py`'s `decode_step`): the same layers, the same
 paged KV cache (written and read in place through the block tables), the same block kernels
-as the `GGUFLinear` layers. A step is one `StepSpan` per sequence: consecutive tokens at
-positions p..p+T-1, token i attending to its sequence's positions <= p+i; all the step's
-rows go through each matrix together, and the logits of the tokens asked for come back. One
-token per sequence is a decode step (of one sequence or a batch), the last token and k
-drafts a speculative verify step (logits at every position), and a short prefill chunk asks
-for the last token's logits at the prompt's end, none before.
+as the `GGUFLinear` layers. A step is the model runner's `StepBatch`
+(`engine/step_batch.py`), one span per sequence: consecutive tokens at positions p..p+T-1,
+token i attending to its sequence's positions <= p+i; all the step's rows go through each
+matrix together, and the logits of the tokens asked for come back. One token per sequence
+is a decode step (of one sequence or a batch), the last token and k drafts a speculative
+verify step (logits at every position), and a short prefill chunk asks for the last token's
+logits at the prompt's end, none before. The batch's tensors go to `ops.decode_step` as they
+are: it is the one place they are checked before the C runs.
 
 The step is built from the model's own declaration (`model.native_decoder()`,
 `model/native_decoder.py`), never from its internals. A model that cannot declare itself
@@ -22,21 +24,20 @@ non-default `DecoderOptions` field the step does not implement (`native/supporte
 comparison over every field), the kernels' limits (`ops.decode_step_limits`: head_dim a
 multiple of 8 up to 256; a KV cache of float32, float16, or int8 with its scales:
 `--kv-cache-dtype int8` is written quantized and read in place by the step, fp8 is not) or a
-build without the kernels. `nanollmserve info` shows the options' verdict. The model runner decides
-which steps run here; everything after the logits (grammar masks, sampling, logprobs) is
-unchanged.
+build without the kernels. `nanollmserve info` shows the options' verdict. The batch says
+whether it may run here (`StepBatch.native_eligible`); everything after the logits (grammar
+masks, sampling, logprobs) is unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from nanollmserve.engine.step_batch import StepBatch
 from nanollmserve.model.native_decoder import NativeDecoder, NotNativeError
 from nanollmserve.native import ops
 from nanollmserve.native.abi import NlsLayer, NlsModel
@@ -76,21 +77,9 @@ def _kernel_limits(decoder: NativeDecoder) -> str | None:
     )
 
 
-class StepSpan(NamedTuple):
-    """One sequence's tokens in a native step."""
-
-    token_ids: list[int]
-    """Consecutive tokens of the sequence, the first at `position`."""
-    position: int
-    block_ids: list[int]
-    """The sequence's block table (reaching its last position)."""
-    num_logits: int
-    """How many of the last tokens give logits (0: none, the K/V only)."""
-
-
 class NativeDecodeStep:
-    """`step(spans)` -> float32 logits [sum of num_logits, vocab]: for each `StepSpan` in
-    order, the logits of its last `num_logits` tokens."""
+    """`step(batch)` -> float32 logits [sum of num_logits, vocab]: for each span of the
+    `StepBatch` in order, the logits of its last `num_logits` tokens."""
 
     def __init__(self, decoder: NativeDecoder, model: nn.Module, max_context: int) -> None:
         self._model = model  # keeps every tensor the structures point into alive
@@ -135,57 +124,18 @@ class NativeDecodeStep:
         logger.info("decode, verify and short prefill steps run as one native call (GGUF blocks)")
         return cls(decoder, model, max_context)
 
-    def __call__(self, spans: Sequence[StepSpan]) -> torch.Tensor:
-        """Raises ValueError, before any native code runs, for a token id outside the
-        vocabulary, positions outside [0, max_context), a block table that does not reach a
-        span's last position or names a block outside the KV pool, or a `num_logits` outside
-        [0, len(token_ids)] (`ops.decode_step` and the C check them again)."""
-        if not spans:
-            raise ValueError("the native step needs at least one sequence")
-        tokens: list[int] = []
-        positions: list[int] = []
-        seq_of_token: list[int] = []
-        logit_rows: list[int] = []
-        for seq, span in enumerate(spans):
-            self._check(span)
-            count = len(span.token_ids)
-            tokens += span.token_ids
-            positions += range(span.position, span.position + count)
-            seq_of_token += [seq] * count
-            logit_rows += range(len(tokens) - span.num_logits, len(tokens))
-        width = max(len(span.block_ids) for span in spans)
-        tables = [span.block_ids + [0] * (width - len(span.block_ids)) for span in spans]
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        """The step's logits: float32 [len(batch.logit_rows), vocab], each span's last
+        `num_logits` tokens in order. `ops.decode_step` checks the batch's values first
+        (ValueError before any native code runs: a token id outside the vocabulary,
+        positions outside [0, max_context), a block table that does not reach a span's last
+        position or names a block outside the KV pool)."""
         out_width = self.vocab_size if self._returns_logits else self._decoder.hidden_size
-        out = torch.empty(len(logit_rows), out_width)
+        out = torch.empty(batch.logit_rows.shape[0], out_width)
         decode_step(
-            self._struct,
-            torch.tensor(tokens, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(seq_of_token, dtype=torch.int64),
-            torch.tensor(tables, dtype=torch.int64),
-            torch.tensor(logit_rows, dtype=torch.int64),
-            out,
-        )
-        if self._returns_logits or not logit_rows:
+            self._struct, batch.token_ids, batch.positions, batch.seq_of_token,
+            batch.block_tables, batch.logit_rows, out,
+        )  # fmt: skip
+        if self._returns_logits or not out.shape[0]:
             return out
         return self._model.compute_logits(out)
-
-    def _check(self, span: StepSpan) -> None:
-        token_ids, position, block_ids, num_logits = span
-        if not token_ids:
-            raise ValueError("the native step needs at least one token per sequence")
-        if not 0 <= num_logits <= len(token_ids):
-            raise ValueError(f"num_logits {num_logits} is outside [0, {len(token_ids)}]")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        last = position + len(token_ids) - 1
-        if position < 0 or last >= self.max_context:
-            raise ValueError(f"positions {position}..{last} are outside [0, {self.max_context})")
-        used = block_ids[: last // self.block_size + 1]
-        if len(used) <= last // self.block_size:
-            raise ValueError(
-                f"a block table of {len(block_ids)} blocks does not reach position {last}"
-            )
-        if min(used) < 0 or max(used) >= self.num_blocks:
-            raise ValueError(f"block table {used} names a block outside [0, {self.num_blocks})")

@@ -452,6 +452,12 @@ def _check_model(op: str, model: object) -> NlsModel:
     return model
 
 
+def _bounds(values: torch.Tensor) -> tuple[int, int]:
+    """The smallest and the largest of `values` (not empty), as Python ints."""
+    low, high = torch.aminmax(values)
+    return int(low), int(high)
+
+
 def decode_step_limits(
     head_dim: int, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype, has_scales: bool
 ) -> str | None:
@@ -479,10 +485,19 @@ def decode_step(
     """The whole model (`nls_decode_step`, an `NlsModel` of `native/abi.py`) over one step's
     `tokens` (int64 [T]) of one or several sequences: token t at `positions[t]` of sequence
     `seq_of_token[t]` (int64 [T]), whose blocks are row seq_of_token[t] of `block_tables`
-    (int64 [seqs, width], reaching each token's position); writes their K/V there and, for
-    each token in `logit_rows` (int64 [R]), one row of logits (or, without a native lm_head,
-    the final normed hidden state) into `out` (float32, contiguous). The step's scratch
-    memory is `DECODE_WORKSPACE`'s."""
+    (int64 [seqs, width], reaching each token's position; a shorter table padded at its end
+    with -1, no block); writes their K/V there and, for each token in `logit_rows` (int64
+    [R]), one row of logits (or, without a native lm_head, the final normed hidden state)
+    into `out` (float32, contiguous). The step's scratch memory is `DECODE_WORKSPACE`'s.
+
+    The one check of a step's inputs (the engine's `StepBatch` is built unchecked and the
+    C's own checks are its guard against a caller that skipped these): ValueError, before
+    any native code runs, for a token id outside the vocabulary, a position outside
+    [0, max_context), a sequence's table that does not reach its token's position (its
+    entry there -1 or past the width), a block id outside the KV pool, a sequence index or
+    logit row outside the step, or tensors of the wrong dtype, device or shape. A -1 before
+    a table's end (no block under an earlier position) is not a layout the batch makes: the
+    C refuses it (NLS_BAD_BLOCK, a ValueError here too) before it reads anything."""
     op = "native decode step"
     _check_model(op, model)
     for name, tensor, dims in (
@@ -500,14 +515,33 @@ def decode_step(
     num_seqs, width = block_tables.shape
     if num_seqs == 0 or width == 0:
         raise ValueError(f"{op}: an empty block table {list(block_tables.shape)}")
-    if rows and not 0 <= int(logit_rows.min()) <= int(logit_rows.max()) < count:
-        raise ValueError(f"{op}: logit rows outside the {count} tokens")
-    if not 0 <= int(seq_of_token.min()) <= int(seq_of_token.max()) < num_seqs:
+    if rows:
+        low, high = _bounds(logit_rows)
+        if not 0 <= low <= high < count:
+            raise ValueError(f"{op}: logit rows outside the {count} tokens")
+    low, high = _bounds(tokens)
+    if not 0 <= low <= high < model.vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"{op}: token id {bad} is outside the vocabulary [0, {model.vocab})")
+    low, high = _bounds(seq_of_token)
+    if not 0 <= low <= high < num_seqs:
         raise ValueError(f"{op}: a sequence index outside the {num_seqs} block tables")
-    if not 0 <= int(positions.min()) <= int(positions.max()) < model.max_context:
-        raise ValueError(f"{op}: a position outside [0, {model.max_context})")
-    if int(positions.max()) // model.block_size >= width:
-        raise ValueError(f"{op}: block tables of {width} blocks do not reach every position")
+    low, high = _bounds(positions)
+    if not 0 <= low <= high < model.max_context:
+        raise ValueError(f"{op}: positions {low}..{high} are outside [0, {model.max_context})")
+    if high // model.block_size >= width:
+        raise ValueError(f"{op}: a block table of {width} blocks does not reach position {high}")
+    low, high = _bounds(block_tables)
+    if not -1 <= low <= high < model.num_blocks:
+        bad = low if low < -1 else high
+        raise ValueError(
+            f"{op}: a block table names a block outside [0, {model.num_blocks}): {bad}"
+        )
+    if _bounds(block_tables[seq_of_token, positions // model.block_size])[0] < 0:
+        raise ValueError(
+            f"{op}: a block table does not reach a token's position: its entry there is -1, "
+            f"outside [0, {model.num_blocks})"
+        )
     width_out = model.vocab if model.lm_head_kind else model.hidden
     if out.numel() != rows * width_out or not out.is_contiguous():
         raise ValueError(
