@@ -109,29 +109,36 @@ def start_worker() -> LiveServer:
     return LiveServer.start(*WORKER_ARGS, "--served-model-name", "tiny", api_key="k")
 
 
+def sigterm_during_streams(process, url: str, headers: dict[str, str]) -> None:
+    """SIGTERM to `process` (serving `url`) while 16 streams run: /ready turns 503 `draining`
+    while streams still run, a new request gets 503 `draining`, /live stays 200, every stream
+    ends intact and the process exits 0."""
+    streams = Streams(url, headers)
+    streams.start()
+    process.send_signal(signal.SIGTERM)
+    ready = poll_until_503(f"{url}/ready")
+    running_when_unready = streams.num_running()
+    refused = completion(url, headers)
+    running_when_refused = streams.num_running()
+    live = httpx.get(f"{url}/live", timeout=10)
+    streams.join()
+    assert process.wait(120) == 0
+
+    assert ready.json()["error"]["code"] == "draining"
+    assert running_when_unready > 0, "/ready turned 503 only after every stream ended"
+    assert refused.status_code == 503 and running_when_refused > 0
+    assert refused.json()["error"]["code"] == "draining"
+    assert live.status_code == 200
+    streams.assert_all_finished()
+
+
 @pytest.mark.timeout(600)  # a model server and 16 streams on a busy CPU
 def test_a_server_sent_sigterm_drains_its_streams():
     server = start_worker()
     try:
         assert httpx.get(f"{server.url}/ready").json()["status"] == "ok"
         assert httpx.get(f"{server.url}/live").json() == {"status": "ok"}
-        streams = Streams(server.url, server.headers)
-        streams.start()
-        server.process.send_signal(signal.SIGTERM)
-        ready = poll_until_503(f"{server.url}/ready")
-        running_when_unready = streams.num_running()
-        refused = completion(server.url, server.headers)
-        running_when_refused = streams.num_running()
-        live = httpx.get(f"{server.url}/live", timeout=10)
-        streams.join()
-        assert server.process.wait(120) == 0
-
-        assert ready.json()["error"]["code"] == "draining"
-        assert running_when_unready > 0, "/ready turned 503 only after every stream ended"
-        assert refused.status_code == 503 and running_when_refused > 0
-        assert refused.json()["error"]["code"] == "draining"
-        assert live.status_code == 200
-        streams.assert_all_finished()
+        sigterm_during_streams(server.process, server.url, server.headers)
         assert "Traceback" not in server.log()
     finally:
         server.stop()
@@ -168,23 +175,7 @@ def test_a_router_drops_a_draining_worker_at_once_and_drains_itself():
         assert f"worker {workers[0].url} is down: it is draining" in router.log()
 
         # The router itself: SIGTERM during 16 streams (all on worker 1 now).
-        streams = Streams(router.url, router.headers)
-        streams.start()
-        router.process.send_signal(signal.SIGTERM)
-        ready = poll_until_503(f"{router.url}/ready")
-        running_when_unready = streams.num_running()
-        refused = completion(router.url, router.headers)
-        running_when_refused = streams.num_running()
-        live = httpx.get(f"{router.url}/live", timeout=10)
-        streams.join()
-        assert router.process.wait(120) == 0
-
-        assert ready.json()["error"]["code"] == "draining"
-        assert running_when_unready > 0, "the router's /ready turned 503 after every stream"
-        assert refused.status_code == 503 and running_when_refused > 0
-        assert refused.json()["error"]["code"] == "draining"
-        assert live.status_code == 200
-        streams.assert_all_finished()
+        sigterm_during_streams(router.process, router.url, router.headers)
     finally:
         if router is not None:
             router.stop()

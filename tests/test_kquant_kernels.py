@@ -152,3 +152,17 @@ def test_every_kernel_agrees_with_the_oracle(isa: str) -> None:
     }
     assert not worst, worst
     assert max(value["twins"] for value in results.values()) < 1e-5, results
+
+
+def test_a_rows_numbers_do_not_depend_on_how_many_rows_share_the_call() -> None:
+    """One row, a register group (<= 10 rows) and the accumulator kernel (more) give the same
+    bits for the same row: a request's logits must not depend on its batch."""
+    from nanollmserve.native import ops
+
+    rows = read_kquant_rows("Q6_K", random_blocks("Q6_K", 40, 512, 3, 1e-4), 512)
+    tiles = torch.from_numpy(rows.tiled())
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(0))
+    together = ops.kquant_matmul(6, tiles, 40, x)
+    one_by_one = torch.cat([ops.kquant_matmul(6, tiles, 40, x[i : i + 1]) for i in range(16)])
+    assert torch.equal(together, one_by_one)
+    assert torch.equal(together[:7], ops.kquant_matmul(6, tiles, 40, x[:7]))

@@ -13,15 +13,14 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from cluster_process import ClusterProcess, wait_until
 from live_server import free_port
 from prometheus_client.parser import text_string_to_metric_families
+from stand_in_http import JsonHandler, StandInServer
 
 pytestmark = [pytest.mark.milestone("m26"), pytest.mark.timeout(180)]
 
@@ -54,7 +53,7 @@ class StandInWorker:
         """(arrival number across all stand-ins, path, body)"""
         worker = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 if self.path == "/health":
                     status = 200 if worker.healthy else 503
@@ -99,25 +98,11 @@ class StandInWorker:
                     return
                 self._json(200, {"echo": body, "worker": worker.role})
 
-            def _json(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = StandInServer(Handler)
+        self.url = self.http.url
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.stop()
 
 
 class Workers:

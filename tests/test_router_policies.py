@@ -167,3 +167,19 @@ def test_the_load_bound_flag_is_checked_before_the_router_starts() -> None:
             router_settings(parser.parse_args([*base, "--load-bound-factor", bad]))
     cluster = parser.parse_args(["cluster", "--workers", "2", "--load-bound-factor", "2"])
     assert router_settings(cluster).load_bound_factor == 2.0
+
+
+@pytest.mark.milestone("m32")
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1"])
+def test_a_hostile_shutdown_timeout_is_a_one_line_error(bad: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanollmserve.cli.main", "router", "--worker",
+         "http://127.0.0.1:1", "--shutdown-timeout", bad],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--shutdown-timeout must be a finite number >= 0" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -10,15 +10,14 @@ load bound (which reads each router's own requests in flight) leaves the hash or
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from cluster_process import ClusterProcess, wait_until
 from live_server import free_port
+from stand_in_http import JsonHandler, StandInServer
 
 from nanollmserve.router import Worker
 from nanollmserve.router.policies import preference
@@ -38,7 +37,7 @@ class StandInWorker:
         self.answered = 0
         worker = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 if self.path == "/health":
                     self._json(200 if worker.healthy else 503, {"status": "ok"})
@@ -55,25 +54,11 @@ class StandInWorker:
                 worker.answered += 1
                 self._json(200, {"worker": worker.url})
 
-            def _json(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = StandInServer(Handler)
+        self.url = self.http.url
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.stop()
 
 
 @pytest.fixture(scope="module")

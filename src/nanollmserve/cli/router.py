@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
         if not url.strip():
             raise UserError("--worker needs a URL, got an empty one")
     if not 0 <= args.shutdown_timeout < float("inf"):
-        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        raise UserError(
+            f"--shutdown-timeout must be a finite number >= 0, got {args.shutdown_timeout}"
+        )
     sock = _bind(args.host, args.port)
     try:
         app = create_router_app(WorkerPool(args.worker), settings)

@@ -154,6 +154,27 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
     for (int p = 0; p < 16; p++) w[p] = _mm512_mullo_epi16(_mm512_sub_epi16(w[p], offset), p < 8 ? sc0 : sc1);
 }
 
+/* A tile-block's `d` and `dm mn` per output (lanes 0..15). */
+static inline __attribute__((always_inline)) void kq_block_scales(const uint8_t *tail, __m512 *dw, __m512 *mw) {
+    *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
+    *mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
+}
+
+/* One row's block product added to its 16 sums `acc`: d dx S + dm mn sx (S exact in int32,
+ * two accumulators of 8 pairs). Every kernel of this build runs a row through this one, so a
+ * row's numbers do not depend on which kernel (or how many rows) ran it. */
+static inline __attribute__((always_inline)) __m512 kq_row_block(const __m512i w[16], __m512 dw, __m512 mw,
+                                                                  const int32_t *xp, float dxb, float sxb, __m512 acc) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (int p = 0; p < 16; p += 2) {
+        a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
+        a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
+    }
+    const __m512 s = _mm512_add_ps(_mm512_cvtepi32_ps(a0), _mm512_cvtepi32_ps(a1));
+    return _mm512_fmadd_ps(mw, _mm512_set1_ps(sxb), _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dxb)), s, acc));
+}
+
 static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
                          const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
     for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
@@ -161,27 +182,20 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m512i w[16];
+        __m512 dw, mw;
         kq_widen(tb, bits, tail, w);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
-        const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
-                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
+        kq_block_scales(tail, &dw, &mw);
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
-            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-            for (int p = 0; p < 16; p += 2) {
-                a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
-                a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
-            }
-            const __m512 s = _mm512_add_ps(_mm512_cvtepi32_ps(a0), _mm512_cvtepi32_ps(a1));
-            __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), s, _mm512_loadu_ps(acc + 16 * r));
-            _mm512_storeu_ps(acc + 16 * r, _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), y));
+            _mm512_storeu_ps(acc + 16 * r, kq_row_block(w, dw, mw, xp, dx[r * nb + b], sx[r * nb + b],
+                                                        _mm512_loadu_ps(acc + 16 * r)));
         }
     }
 }
 
 /* A few rows against one tile with every row's 16 sums in registers across the blocks (the
- * tile-block widened once per block for them all): the operations of kq_tile_rows in the same
- * order, so the same numbers, without its accumulator loads and stores (gguf_cpu.c's
+ * tile-block widened once per block for them all): each row through kq_row_block as in
+ * kq_tile_rows, so the same numbers, without its accumulator loads and stores (gguf_cpu.c's
  * tile_times_few_rows does the same for the legacy kinds). `ROWS` is a compile-time constant
  * at each call, so the row loops unroll. */
 #define KQ_FEW_ROWS 5
@@ -195,21 +209,12 @@ static inline __attribute__((always_inline)) void kq_tile_few_rows(
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m512i w[16];
+        __m512 dw, mw;
         kq_widen(tb, bits, tail, w);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
-        const __m512 mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
-                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
-        for (int r = 0; r < ROWS; r++) {
-            const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
-            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-            for (int p = 0; p < 16; p += 2) {
-                a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
-                a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
-            }
-            const __m512 s = _mm512_add_ps(_mm512_cvtepi32_ps(a0), _mm512_cvtepi32_ps(a1));
-            const __m512 yr = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), s, acc[r]);
-            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), yr);
-        }
+        kq_block_scales(tail, &dw, &mw);
+        for (int r = 0; r < ROWS; r++)
+            acc[r] = kq_row_block(w, dw, mw, (const int32_t *)(xq + r * in + b * QK), dx[r * nb + b],
+                                  sx[r * nb + b], acc[r]);
     }
     for (int r = 0; r < ROWS; r++) {
         float total[TILE];
