@@ -63,6 +63,7 @@ FEATURES = {
     "sleep": "Sleep mode",
     "offload": "KV offload",
     "pd": "PD disaggregation",
+    "llamacpp": "llama.cpp native API",
     "cuda": "CUDA",
 }
 NOT_RUN_ALLOWED = {"cuda"}  # the only feature no machine here can run
@@ -143,6 +144,9 @@ PD_GREEDY = PD_CLUSTER + "test_greedy_output_through_pd_equals_a_colocated_serve
 PD_GGUF = PD + "test_gguf_blocks_answer_through_pd_as_the_decode_worker_alone"
 PD_INT8 = PD + "test_int8_weights_and_the_reasoning_parser_through_pd"
 PD_REFUSED = PD + "test_a_worker_role_refuses_what_the_store_cannot_carry[{}]"
+LLAMACPP = "tests/test_llamacpp_completion.py::"
+L_RECORDED = COMPAT_RECORDER + "test_an_anthropic_message_is_recorded"
+L_DRAFTS = MESSAGES + "test_a_message_runs_with_accepted_drafts"
 
 CELLS: dict[tuple[str, str], Cell] = {
     ("tp", "gguf"): refused(
@@ -698,6 +702,82 @@ CELLS: dict[tuple[str, str], Cell] = {
         "workers share one `--kv-offload-dir`.",
     ),
     ("pd", "cuda"): not_run(NO_GPU),
+    # -- llama.cpp's native API (POST /completion) -------------------------------------------
+    # "works": a `/completion` answer in llama.cpp's shape whose `timings` agree with its
+    # `tokens_predicted` and `tokens_evaluated`, from a server where the other feature acted.
+    ("tp", "llamacpp"): works(R_MESSAGES),
+    ("gguf", "llamacpp"): works(
+        LLAMACPP + "test_greedy_text_matches_the_openai_route_and_the_fields_add_up"
+    ),
+    ("int8", "llamacpp"): works(L_RECORDED),
+    ("lora", "llamacpp"): works(
+        M_ADAPTER, note="`model` names the adapter, as on the OpenAI routes."
+    ),
+    ("spec", "llamacpp"): works(L_DRAFTS),
+    ("structured", "llamacpp"): works(
+        LLAMACPP + "test_json_schema_and_grammar_constrain_the_output",
+        note="llama.cpp's `json_schema` and `grammar` (GBNF); both at once is a 400 naming "
+        "`grammar`.",
+    ),
+    ("grpc", "llamacpp"): works(
+        R_GRPC,
+        note="One server answers a prompt over gRPC and on `/completion` with the same "
+        "tokens; the native API itself is HTTP only.",
+    ),
+    ("router", "llamacpp"): works(
+        R_MESSAGES, note="The router forwards `/completion` as it forwards any path."
+    ),
+    ("reasoning", "llamacpp"): works(
+        L_DRAFTS,
+        L_RECORDED,
+        note="`/completion` takes a prompt: its text comes back unsplit (`<think>` in "
+        "`content`), as on `/v1/completions`; the same server's chats and messages split it.",
+    ),
+    ("embed", "llamacpp"): refused(
+        "this server embeds (--runner pooling): it serves /v1/embeddings, not text generation",
+        EMBED + "test_llamacpp_completion_is_refused_on_a_pooling_server",
+    ),
+    ("messages", "llamacpp"): works(
+        L_RECORDED,
+        note="One server answers `/v1/messages` and `/completion`, each in its own shape.",
+    ),
+    ("priority", "llamacpp"): refused(
+        UNRECOGNIZED.format("priority"),
+        LLAMACPP + "test_priority_is_not_a_completion_field[zero]",
+        LLAMACPP + "test_priority_is_not_a_completion_field[one]",
+        R_MESSAGES,
+        note="llama.cpp's `/completion` has no `priority` (a nanollmserve extension of the "
+        "OpenAI and Anthropic routes): like any field it does not declare, a 400 naming it, "
+        "on a `--scheduling-policy priority` worker too.",
+    ),
+    ("tokenio", "llamacpp"): works(
+        LLAMACPP + "test_prompt_as_token_ids",
+        note="llama.cpp's names: a token-id `prompt`, `return_tokens` (`tokens`); no prompt "
+        "logprobs on `/completion`.",
+    ),
+    ("recorder", "llamacpp"): works(
+        L_RECORDED,
+        note="Recorded like any request; the record replays "
+        f"(`{REC_REPLAY.partition('::')[2]}` replays the same record).",
+    ),
+    ("tracing", "llamacpp"): works(L_RECORDED, note="A `/completion` is a `text_completion` span."),
+    ("kvdtype", "llamacpp"): works(KV_SLEEP),
+    ("sleep", "llamacpp"): works(
+        KV_SLEEP,
+        note="While asleep `/completion` is a 503 `engine_sleeping` too; after the wake, the "
+        "same tokens, computed again.",
+    ),
+    ("offload", "llamacpp"): works(
+        MEMORY + "test_a_llamacpp_completion_reads_the_store",
+        note="`tokens_cached` and `timings.cache_n` count the tokens read from the store.",
+    ),
+    ("pd", "llamacpp"): works(
+        PD + "test_llamacpp_completion_is_served_by_a_decode_worker_without_phase_1",
+        note="`/completion` is not one of the router's two-phase paths: a decode worker "
+        "serves it without phase 1, prefilling the prompt itself (as `/v1/messages`); the "
+        "answer equals the disaggregated `/v1/completions` one.",
+    ),
+    ("llamacpp", "cuda"): not_run(NO_GPU),
 }
 
 MARKS = {"works": "✅", "refused": "⛔", "not run": "❔"}

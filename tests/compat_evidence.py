@@ -200,6 +200,29 @@ def _pd(*, phase_1: int) -> None:
     assert phase_1 >= 1, "the router ran no prefill phase"
 
 
+STOP_TYPES = ("eos", "limit", "word")
+
+
+def _llamacpp(*, completion) -> None:
+    """`completion`: llama.cpp's native `/completion` answer (its JSON, or a stream's last
+    event), a shape no OpenAI route has: `stop` true, a `stop_type`, and `timings` whose
+    counts agree with `tokens_predicted` and `tokens_evaluated` (computed plus cached)."""
+    assert isinstance(completion, dict), f"not a JSON answer: {completion!r}"
+    assert "choices" not in completion and "object" not in completion, (
+        f"an OpenAI shape, not llama.cpp's: {completion!r}"
+    )
+    assert completion.get("stop") is True, f"not a finished answer: {completion!r}"
+    assert isinstance(completion.get("content"), str), completion
+    assert completion.get("stop_type") in STOP_TYPES, completion.get("stop_type")
+    predicted, evaluated = completion.get("tokens_predicted"), completion.get("tokens_evaluated")
+    assert isinstance(predicted, int) and predicted >= 1, f"tokens_predicted {predicted!r}"
+    assert isinstance(evaluated, int) and evaluated >= 1, f"tokens_evaluated {evaluated!r}"
+    timings = completion.get("timings")
+    assert isinstance(timings, dict), f"no timings: {completion!r}"
+    assert timings["predicted_n"] == predicted, (timings, predicted)
+    assert timings["prompt_n"] + timings["cache_n"] == evaluated, (timings, evaluated)
+
+
 PROOFS: dict[str, Callable] = {
     "tp": _tp,
     "gguf": _quantization("gguf"),
@@ -220,6 +243,7 @@ PROOFS: dict[str, Callable] = {
     "sleep": _sleep,
     "offload": _offload,
     "pd": _pd,
+    "llamacpp": _llamacpp,
 }
 
 

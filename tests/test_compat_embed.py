@@ -125,6 +125,19 @@ def test_messages_are_refused_on_a_pooling_server(server, compat):
     compat.refused("embed", "messages", str(info.value))
 
 
+def test_llamacpp_completion_is_refused_on_a_pooling_server(server, compat):
+    """llama.cpp's `/completion` generates: on a pooling server it is the 400 every
+    generation route gives, naming `--runner pooling`; the server keeps embedding."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for body in ({"prompt": "hi", "n_predict": 4}, {"prompt": [1, 2], "stream": True}):
+        reply = httpx.post(f"{server.url}/completion", json=body, headers=headers, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]["message"]
+        assert "this server embeds (--runner pooling)" in error, error
+        compat.refused("embed", "llamacpp", error)
+    assert _embed(server, input="hi").status_code == 200
+
+
 def test_a_reasoning_parser_with_the_pooling_runner_is_refused_at_start(compat):
     proc = subprocess.run(
         [sys.executable, "-m", "nanollmserve.cli.main", "serve", "--runner", "pooling",

@@ -5,11 +5,13 @@ reasoning parser and scheduling by priority:
 
 - an int8 KV cache (`kv_cache_dtype="int8"`) with sleep mode: a chat with token-level I/O and
   an Anthropic message are answered, traced and recorded; a level-2 sleep (weights and pool
-  freed) answers 503 on both routes and the wake gives the same tokens and prompt logprobs;
+  freed) answers 503 on both routes (and on llama.cpp's `/completion`) and the wake gives the
+  same tokens and prompt logprobs;
   the record, sleep included, replays identically;
 - the KV offload directory (`kv_offload_dir`): a second server on the first one's directory
   reads the prefixes of a chat, a schema-constrained chat and a message from it, with the
-  same answers; `prompt_logprobs` requests compute their prompt; the record replays;
+  same answers, and the prefix of a llama.cpp `/completion`; `prompt_logprobs` requests
+  compute their prompt; the record replays;
 - the pooling runner (embeddings) with an int8 KV cache and across a sleep, offline.
 """
 
@@ -24,7 +26,14 @@ import anthropic
 import pytest
 import torch
 from cluster_process import tiny_model_dir
-from reasoning_model import ANSWER, THINKING, VERDICT_SCHEMA, VERDICTS, make_reasoning_model
+from reasoning_model import (
+    ANSWER,
+    SCRIPT,
+    THINKING,
+    VERDICT_SCHEMA,
+    VERDICTS,
+    make_reasoning_model,
+)
 from test_compat_recorder import RecordedServer
 
 from nanollmserve import LLM
@@ -70,6 +79,18 @@ def message(server: RecordedServer):
         model="tiny", max_tokens=40, system=SYSTEM, messages=MESSAGES[1:],
         extra_body={"temperature": 0},
     )  # fmt: skip
+
+
+NATIVE = {"prompt": f"{SYSTEM}\nIs it ok?\n", "n_predict": 40, "temperature": 0}
+"""A llama.cpp `/completion` request: a raw prompt (the script follows its newline, its
+text unsplit by the parser), long enough to fill prefix-cache blocks."""
+
+
+def native(server: RecordedServer) -> dict:
+    """llama.cpp's `/completion` answer to NATIVE (with the generated token ids)."""
+    answer = server.client.post("/completion", json={**NATIVE, "return_tokens": True})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
 
 
 def assert_thinks_then_answers(completion) -> None:
@@ -138,6 +159,8 @@ def test_an_int8_kv_cache_answers_an_anthropic_message(int8_kv, compat):
 def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(int8_kv, compat):
     before = chat(int8_kv, priority=1, **TOKEN_IO)
     assert message(int8_kv).usage.cache_read_input_tokens > 0  # its prefix is in the pool
+    native(int8_kv)
+    native_before = native(int8_kv)  # its prefix is in the pool too
     assert post(int8_kv, "/sleep", level="2").status_code == 200
     try:
         asleep = int8_kv.client.post(
@@ -149,6 +172,9 @@ def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(
         with pytest.raises(anthropic.APIStatusError) as refused:
             message(int8_kv)
         assert refused.value.status_code == 503
+        asleep = int8_kv.client.post("/completion", json=NATIVE)  # llama.cpp's route too
+        assert asleep.status_code == 503 and asleep.headers["retry-after"]
+        assert asleep.json()["error"]["code"] == "engine_sleeping"
     finally:
         assert post(int8_kv, "/wake_up").status_code == 200
     assert kv_pool(int8_kv).dtype == torch.int8  # a fresh int8 pool, int8 weights reloaded
@@ -166,6 +192,11 @@ def test_a_level_2_sleep_refuses_both_routes_and_the_wake_gives_the_same_tokens(
     compat.exercised("reasoning", reasoning_content=after.choices[0].message.reasoning_content)
     compat.exercised("tokenio", token_ids=after.choices[0].token_ids)
     compat.exercised("tracing", spans=len(int8_kv.exporter.get_finished_spans()))
+    native_after = native(int8_kv)  # the pool the sleep emptied: computed again, same tokens
+    assert native_after["tokens"] == native_before["tokens"]
+    assert native_after["content"] == native_before["content"] == SCRIPT
+    assert native_after["tokens_cached"] == 0 < native_before["tokens_cached"]
+    compat.exercised("llamacpp", completion=native_after)
 
 
 def test_the_int8_kv_record_with_its_sleep_replays_identically(int8_kv, tmp_path, compat):
@@ -198,6 +229,7 @@ def restarted(model_dir, tmp_path_factory):
             "chat": chat(first, priority=-1, return_token_ids=True),
             "schema": chat(first, response_format=SCHEMA),
             "message": message(first),
+            "native": native(first),
         }
         assert answers["chat"].usage.prompt_tokens_details.cached_tokens == 0
         first_record = tmp_path_factory.mktemp("records") / "first.jsonl"
@@ -243,6 +275,15 @@ def test_a_message_reads_the_store(restarted, compat):
     assert reply.content[1].text == restarted.answers["message"].content[1].text == ANSWER
     compat.exercised("messages", message=reply)
     compat.exercised("offload", loaded_tokens=reply.usage.cache_read_input_tokens)
+
+
+def test_a_llamacpp_completion_reads_the_store(restarted, compat):
+    answer = native(restarted)
+    assert answer["tokens_cached"] > 0 and answer["timings"]["cache_n"] == answer["tokens_cached"]
+    assert answer["tokens"] == restarted.answers["native"]["tokens"]
+    assert answer["content"] == SCRIPT
+    compat.exercised("llamacpp", completion=answer)
+    compat.exercised("offload", loaded_tokens=answer["tokens_cached"])
 
 
 def test_prompt_logprobs_compute_the_prompt_instead_of_reading_the_store(restarted):

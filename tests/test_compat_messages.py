@@ -6,7 +6,9 @@ compatibility matrix (scripts/compat_matrix.py), through the real `anthropic` SD
   stays the script's, the answer loses its last token): a message runs with accepted drafts;
   naming the adapter gives the script's thinking block and the adapter's answer, which
   differs from the base model's and is PEFT's greedy output; token-level fields are refused
-  on `/v1/messages` (Anthropic's shape has no place for them);
+  on `/v1/messages` (Anthropic's shape has no place for them); llama.cpp's `/completion` on
+  the same server runs with drafts and the adapter too, its text unsplit (a prompt, as on
+  /v1/completions: the parser splits chats and messages);
 - the bundled model on its GGUF blocks: a message is the chat completion of the same
   conversation, and a thinking block the prompt opens comes back as `reasoning_content`.
 """
@@ -114,6 +116,16 @@ def test_a_message_runs_with_accepted_drafts(server, compat):
     compat.exercised("spec", num_drafts=server.stats()["spec_decode"]["num_drafts"] - drafts)
     compat.exercised("messages", message=message)
     compat.exercised("reasoning", reasoning_content=message.content[0].thinking)
+    # llama.cpp's /completion on the same server: the message's prompt, the same drafts.
+    chat = [{"role": "user", "content": SCRIPT}]
+    prompt = _post(server, "/apply-template", {"messages": chat}).json()["prompt"]
+    drafts = server.stats()["spec_decode"]["num_drafts"]
+    native = _post(server, "/completion", {"prompt": prompt, "n_predict": 40, "temperature": 0})
+    assert native.status_code == 200, native.text
+    assert native.json()["content"] == SCRIPT  # a prompt's text: not split by the parser
+    assert native.json()["tokens_evaluated"] == message.usage.input_tokens
+    compat.exercised("spec", num_drafts=server.stats()["spec_decode"]["num_drafts"] - drafts)
+    compat.exercised("llamacpp", completion=native.json())
 
 
 def test_naming_the_adapter_runs_it_under_the_messages_api_and_the_parser(server, compat):
@@ -136,6 +148,17 @@ def test_naming_the_adapter_runs_it_under_the_messages_api_and_the_parser(server
     [reference] = _peft_greedy(server.adapter, [chat["prompt_token_ids"]], 40, base=peft_base)
     assert chat["choices"][0]["token_ids"] == reference[: len(chat["choices"][0]["token_ids"])]
     assert len(reference) - len(chat["choices"][0]["token_ids"]) <= 1  # the stop token
+    # llama.cpp's /completion names the adapter with `model` too: the chat's prompt ids give
+    # the chat's tokens (unsplit text); without `model`, the base model's.
+    native = {"prompt": chat["prompt_token_ids"], "n_predict": 40, "temperature": 0}
+    native["return_tokens"] = True
+    adapted = _post(server, "/completion", {**native, "model": ADAPTER}).json()
+    plain = _post(server, "/completion", native).json()
+    assert adapted["tokens"] == chat["choices"][0]["token_ids"]
+    assert adapted["content"] == f"<think>{THINKING}</think>{CUT_ANSWER}"
+    assert plain["content"] == f"<think>{THINKING}</think>{ANSWER}"
+    compat.exercised("lora", output=adapted["content"], base=plain["content"])
+    compat.exercised("llamacpp", completion=adapted)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ blocks from the store (`cached_tokens`). "Answered correctly" is the decode work
 greedy answer to the same request with a fresh `cache_salt` (nothing cached, no phase 1).
 A second, short-lived cluster runs the tiny model on int8 weights with the Qwen3 reasoning
 parser. What cannot run disaggregated is refused at start, checked here in one line each.
+`/v1/messages` and llama.cpp's `/completion` have no phase 1: a decode worker serves them.
 """
 
 from __future__ import annotations
@@ -302,6 +303,26 @@ def test_messages_are_served_by_a_decode_worker_without_phase_1(pd, compat):
     chat = pd.disaggregated("/v1/chat/completions", {"messages": conversation, **GREEDY})
     assert [block.text for block in message.content] == [_text(chat)]
     compat.exercised("messages", message=message)
+    compat.exercised("pd", phase_1=pd.phase_1)
+
+
+def test_llamacpp_completion_is_served_by_a_decode_worker_without_phase_1(pd, compat):
+    """llama.cpp's `/completion` is not one of the router's two-phase paths (`router/pd.py`'s
+    TWO_PHASE_PATHS): a decode worker prefills its prompt itself, as for `/v1/messages`,
+    and the answer is the disaggregated `/v1/completions` one."""
+    prompt = ("The orchard keeper's almanac for the last week of autumn, with the pears and "
+              "the apples still on the trees:")  # fmt: skip
+    before = pd.metric(PHASE_ONES)
+    seen = {url: len(_arrivals(url)) for url in (pd.prefill, pd.decode)}
+    native = pd.post("/completion", {"prompt": prompt, "n_predict": 12, "temperature": 0})
+    assert native.status_code == 200, native.text
+    assert pd.metric(PHASE_ONES) == before
+    assert len(_arrivals(pd.prefill)) == seen[pd.prefill]
+    assert len(_arrivals(pd.decode)) == seen[pd.decode] + 1
+    assert native.json()["tokens_cached"] == 0  # the decode worker computed the prompt
+    completion = pd.disaggregated("/v1/completions", {"prompt": prompt, **GREEDY})
+    assert native.json()["content"] == _text(completion)
+    compat.exercised("llamacpp", completion=native.json())
     compat.exercised("pd", phase_1=pd.phase_1)
 
 

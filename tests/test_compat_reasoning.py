@@ -6,6 +6,7 @@
   router in front: chat splits the thinking through the router and directly, with
   `priority` and `return_token_ids`; the Messages API gives a thinking block; gRPC chats
   get `reasoning_content`, `return_token_ids` and `prompt_logprobs` equal to HTTP's;
+  llama.cpp's `/completion` answers a prompt through the router and as gRPC does;
 - a worker on int8 weights: the same split, in chat and in the Messages API, with
   `priority`, and token-level output (token ids, prompt logprobs near float32's).
 """
@@ -64,6 +65,14 @@ def _messages_blocks(url: str, **extra) -> list[tuple[str, str]]:
     return [(b.type, b.thinking if b.type == "thinking" else b.text) for b in message.content]
 
 
+def _native(url: str) -> dict:
+    """llama.cpp's `/completion` answer to PROMPT, greedy, with its token ids."""
+    body = {"prompt": PROMPT, "n_predict": 40, "temperature": 0, "return_tokens": True}
+    reply = httpx.post(f"{url}/completion", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
 def _lps(prompt_logprobs) -> list[float]:
     """The prompt tokens' own logprobs (the first entry of each position, the first None)."""
     return [next(iter(p.values()))["logprob"] for p in prompt_logprobs[1:]]
@@ -113,6 +122,21 @@ def test_messages_on_the_sharded_worker_through_the_router(stack, compat):
     compat.exercised("priority", admitted=(-1, raw.status_code))
     compat.exercised("router", routed=stack.router.stats()["workers"][0]["num_routed"])
     compat.exercised("tp", ranks=compat.ranks_in_log(stack.worker.log()))
+    # llama.cpp's /completion through the router and on the worker: the same sharded engine,
+    # the raw text of the prompt (not split: a prompt, as on /v1/completions).
+    routed = stack.router.stats()["workers"][0]["num_routed"]
+    for url in (stack.router.url, stack.worker.url):
+        native = _native(url)
+        assert native["content"] == SCRIPT and native["stop_type"] == "eos"
+        compat.exercised("llamacpp", completion=native)
+    assert stack.router.stats()["workers"][0]["num_routed"] == routed + 1
+    compat.exercised("router", routed=stack.router.stats()["workers"][0]["num_routed"] - routed)
+    # /completion has no `priority` (llama.cpp's API), on this priority-scheduling worker too.
+    body = {"prompt": PROMPT, "n_predict": 2, "priority": -1}
+    refused = httpx.post(f"{stack.router.url}/completion", json=body, timeout=120)
+    assert refused.status_code == 400, refused.text
+    assert "Unrecognized request argument supplied: priority" in refused.json()["error"]["message"]
+    compat.refused("llamacpp", "priority", refused.json()["error"]["message"])
 
 
 def test_grpc_chat_splits_the_thinking_and_returns_token_level_output(stack, compat):
@@ -150,6 +174,16 @@ def test_grpc_chat_splits_the_thinking_and_returns_token_level_output(stack, com
         model="", max_tokens=40, messages=MESSAGES, extra_body={"temperature": 0}
     )
     compat.exercised("messages", message=message)
+
+    async def raw(client):
+        return await client.generate(PROMPT, max_tokens=40, temperature=0, return_token_ids=True)
+
+    completion = stack.grpc(raw)  # a prompt over gRPC and llama.cpp's /completion: one answer
+    native = _native(stack.worker.url)
+    assert native["content"] == completion.text == SCRIPT
+    assert native["tokens"] == list(completion.token_ids)
+    compat.exercised("grpc", reply=completion)
+    compat.exercised("llamacpp", completion=native)
 
 
 def test_a_grpc_grammar_applies_after_the_thinking(stack, compat):

@@ -3,8 +3,8 @@
 
 - int8 weights of the scripted Qwen3 checkpoint (`reasoning_model.py`) with the qwen3
   reasoning parser, scheduling by priority and traced: a chat with `return_token_ids` and
-  `prompt_logprobs` and an Anthropic message are traced, recorded with their parameters, and
-  the record replays identically offline (`nanollmserve replay`);
+  `prompt_logprobs`, an Anthropic message and llama.cpp's `/completion` are traced, recorded
+  with their parameters, and the record replays identically offline (`nanollmserve replay`);
 - the pooling runner (embeddings): its prefill-only steps are recorded and replay.
 """
 
@@ -20,7 +20,7 @@ import pytest
 from cluster_process import tiny_model_dir
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from reasoning_model import ANSWER, THINKING, make_reasoning_model
+from reasoning_model import ANSWER, SCRIPT, THINKING, make_reasoning_model
 
 from nanollmserve.api import ServerSettings, create_app
 from nanollmserve.config import EngineConfig
@@ -117,6 +117,23 @@ def test_an_anthropic_message_is_recorded(reasoning_int8, compat):
     assert len(reasoning_int8.arrivals()) == before + 1
     compat.exercised("messages", message=message)
     compat.exercised("recorder", records=len(reasoning_int8.arrivals()) - before)
+    compat.exercised("reasoning", reasoning_content=message.content[0].thinking)
+    # llama.cpp's /completion on the same int8 server: recorded and traced like the others.
+    before = len(reasoning_int8.arrivals())
+    reasoning_int8.exporter.clear()
+    body = {"prompt": "Is it ok?\n", "n_predict": 40, "temperature": 0}
+    native = reasoning_int8.client.post("/completion", json=body)
+    assert native.status_code == 200, native.text
+    assert native.json()["content"] == SCRIPT  # a prompt's text is not split by the parser
+    [arrival] = reasoning_int8.arrivals()[before:]
+    assert len(arrival["prompt_token_ids"]) == native.json()["tokens_evaluated"]
+    [span] = reasoning_int8.exporter.get_finished_spans()
+    assert span.name == "text_completion tiny"
+    assert span.attributes["gen_ai.usage.output_tokens"] == native.json()["tokens_predicted"]
+    compat.exercised("llamacpp", completion=native.json())
+    compat.exercised("int8", quantization=reasoning_int8.engine.info.quantization)
+    compat.exercised("recorder", records=len(reasoning_int8.arrivals()) - before)
+    compat.exercised("tracing", spans=len(reasoning_int8.exporter.get_finished_spans()))
 
 
 def test_the_int8_reasoning_record_replays_identically(reasoning_int8, tmp_path, compat):

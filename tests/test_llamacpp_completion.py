@@ -1,7 +1,9 @@
 """llama.cpp's native `POST /completion` through HTTP on the shared live server: its
 response fields (`content`, `tokens`, `stop_type`, `timings`, `completion_probabilities`),
 its stream, the same greedy text as the OpenAI route (one engine path), and a 400 naming
-the field for every value it cannot honour (NaN, infinities, out of range, unsupported)."""
+the field for every value it cannot honour (NaN, infinities, out of range, unsupported).
+The `compat` calls are the compatibility matrix's evidence (scripts/compat_matrix.py): the
+shared server runs the bundled model's GGUF blocks."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def complete(client: httpx.Client, **fields) -> dict:
     return response.json()
 
 
-def test_greedy_text_matches_the_openai_route_and_the_fields_add_up(client):
+def test_greedy_text_matches_the_openai_route_and_the_fields_add_up(client, compat):
     native = complete(client, n_predict=6, return_tokens=True)
     openai = client.post(
         "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
@@ -51,17 +53,26 @@ def test_greedy_text_matches_the_openai_route_and_the_fields_add_up(client):
         timings["predicted_per_second"], 1000 * 6 / timings["predicted_ms"], rel_tol=1e-6
     )
     assert math.isclose(timings["predicted_per_token_ms"], timings["predicted_ms"] / 6)
+    assert "quantization=gguf" in shared_server().log()
+    compat.exercised("gguf", quantization=compat.quantization_in_log(shared_server().log()))
+    compat.exercised("llamacpp", completion=native)
 
 
 def test_tokens_are_left_out_unless_asked(client):
     assert complete(client, n_predict=2)["tokens"] == []
 
 
-def test_prompt_as_token_ids(client):
+def test_prompt_as_token_ids(client, compat):
     ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    by_ids = complete(client, prompt=ids, n_predict=4)
+    by_ids = complete(client, prompt=ids, n_predict=4, return_tokens=True)
     assert by_ids["tokens_evaluated"] == len(ids)
-    assert by_ids["content"] == complete(client, n_predict=4)["content"]
+    by_text = complete(client, n_predict=4, return_tokens=True)
+    assert by_ids["content"] == by_text["content"]
+    assert by_ids["tokens"] == by_text["tokens"]
+    detok = client.post("/detokenize", json={"tokens": by_ids["tokens"]}).json()
+    assert detok["prompt"] == by_ids["content"]
+    compat.exercised("tokenio", token_ids=by_ids["tokens"])
+    compat.exercised("llamacpp", completion=by_ids)
 
 
 def test_stop_word_and_eos(client):
@@ -111,7 +122,7 @@ def test_stream_events_add_up_to_the_answer(client):
     assert last["timings"]["predicted_n"] == 6
 
 
-def test_json_schema_and_grammar_constrain_the_output(client):
+def test_json_schema_and_grammar_constrain_the_output(client, compat):
     schema = {
         "type": "object",
         "properties": {"answer": {"type": "string", "maxLength": 8}},
@@ -120,8 +131,27 @@ def test_json_schema_and_grammar_constrain_the_output(client):
     }
     result = complete(client, json_schema=schema, n_predict=40)
     assert set(json.loads(result["content"])) == {"answer"}
+    compat.exercised("structured", output=result["content"], schema=schema)
+    compat.exercised("llamacpp", completion=result)
     result = complete(client, grammar='root ::= "yes" | "no"', n_predict=5)
     assert result["content"] in ("yes", "no")
+    compat.exercised("structured", output=result["content"], choice=["yes", "no"])
+    compat.exercised("llamacpp", completion=result)
+
+
+@pytest.mark.parametrize("priority", [0, 1, -1], ids=["zero", "one", "negative"])
+def test_priority_is_not_a_completion_field(client, priority, compat):
+    """llama.cpp's /completion has no `priority` (nanollmserve's extension of the OpenAI and
+    Anthropic routes): like any field it does not declare, a 400 naming it, whatever the
+    value and the server's scheduling policy; the same request without it is answered."""
+    response = client.post(
+        "/completion", json={"prompt": PROMPT, "n_predict": 2, "priority": priority}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "Unrecognized request argument supplied: priority" in error["message"], error
+    compat.refused("llamacpp", "priority", error["message"])
+    assert complete(client, n_predict=2)["stop"] is True
 
 
 def test_cache_prompt_false_shares_no_prefix_blocks(client):
