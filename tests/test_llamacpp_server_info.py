@@ -1,7 +1,7 @@
-"""llama.cpp's `GET /props`, `GET /slots`, the refused slot actions, `POST /apply-template`
-and `POST /infill` through HTTP: on the shared live server (the bundled SmolLM2, which has
-no fill-in-the-middle tokens: /infill is a 400 saying so) and on a tiny random model whose
-tokenizer has them (/infill runs the FIM prompt)."""
+"""llama.cpp's `GET /props`, `GET /slots`, slot actions refused without --slot-save-path,
+`POST /apply-template` and `POST /infill` through HTTP: on the shared live server (the
+bundled SmolLM2, which has no fill-in-the-middle tokens: /infill is a 400 saying so) and on
+a tiny random model whose tokenizer has them (/infill runs the FIM prompt)."""
 
 from __future__ import annotations
 
@@ -59,10 +59,13 @@ def test_slots_show_no_prompts_and_idle_when_idle(server, client):
 
 
 @pytest.mark.parametrize("action", ["save", "restore", "erase"])
-def test_slot_actions_are_refused_clearly(client, action):
+def test_slot_actions_without_slot_save_path_are_refused_naming_the_flag(client, action):
+    """As llama.cpp's server: no --slot-save-path, no slot actions (tests/test_llamacpp_slots.py
+    runs them with it)."""
     response = client.post("/slots/0", params={"action": action}, json={"filename": "a.bin"})
     assert response.status_code == 501
-    assert f"slot {action} is not supported" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert f"slot {action} is off" in error["message"] and "--slot-save-path" in error["message"]
 
 
 def test_bad_slot_requests_are_400s(client):

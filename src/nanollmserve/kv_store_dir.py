@@ -27,32 +27,33 @@ KEY_FILE = ".nanollmserve-kv-key"
 KEY_BYTES = 32
 """The store's MAC key, hex (0600, owner-only: readable by another user, it is refused)."""
 _REMEDY = (
-    "Give --kv-offload-dir a directory of your own that only you can write (a new one is "
-    "made 0700), or fix its owner and mode (chmod 700)"
+    "Give {flag} a directory of your own that only you can write (a new one is made 0700), "
+    "or fix its owner and mode (chmod 700)"
 )
 
 
-def open_store_dir(directory: str | Path) -> Path:
+def open_store_dir(directory: str | Path, flag: str = "--kv-offload-dir") -> Path:
     """Make or check a store directory -> its path. A missing one is made 0700 and marked; an
     existing one must be owned by this user (or root) and not writable by group or others,
     and must be marked already or empty (then it is marked); one this user owns is made
-    0700. A `UserError` says why a directory is refused."""
+    0700. A `UserError` says why a directory is refused, naming `flag` (the option that
+    gave it: --kv-offload-dir, --slot-save-path)."""
     path = Path(directory)
     what = "the KV store directory"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, PRIVATE_DIR_MODE)
-        check_trusted(path, what, _REMEDY)
+        check_trusted(path, what, _REMEDY.format(flag=flag))
         if not path.is_dir():
-            raise UserError(f"--kv-offload-dir {path} is not a directory")
+            raise UserError(f"{flag} {path} is not a directory")
         if path.stat().st_uid == os.getuid():
             os.chmod(path, PRIVATE_DIR_MODE)  # ours: only we read the prompts' token ids
         entries = os.listdir(path)
         if MARKER not in entries:
             if entries:
                 raise UserError(
-                    f"--kv-offload-dir {path} holds {len(entries)} entries but is not a KV "
+                    f"{flag} {path} holds {len(entries)} entries but is not a KV "
                     f"block store (no {MARKER} file): it is refused rather than emptied. Give "
                     f"a new or empty directory (for example a subdirectory of this one)"
                 )
@@ -60,16 +61,16 @@ def open_store_dir(directory: str | Path) -> Path:
                 write_private(path, MARKER, b"nanollmserve KV block store\n")
         marker = path / MARKER
         if not stat.S_ISREG(os.lstat(marker).st_mode):
-            raise UserError(f"--kv-offload-dir {path}: {MARKER} is not a regular file")
-        check_trusted(marker, what, _REMEDY)
+            raise UserError(f"{flag} {path}: {MARKER} is not a regular file")
+        check_trusted(marker, what, _REMEDY.format(flag=flag))
     except UntrustedCacheError as exc:
-        raise UserError(f"--kv-offload-dir: {exc}") from None
+        raise UserError(f"{flag}: {exc}") from None
     except OSError as exc:
-        raise UserError(f"--kv-offload-dir {path}: {exc}") from None
+        raise UserError(f"{flag} {path}: {exc}") from None
     return path
 
 
-def store_key(directory: str | Path) -> bytes:
+def store_key(directory: str | Path, flag: str = "--kv-offload-dir") -> bytes:
     """The MAC key of the (opened) store `directory`, made on first use: 32 random bytes in
     `KEY_FILE`, written 0600 under a temporary name and linked into place, which fails if a
     key is there already (then that key is used: every process of a store shares one). The
@@ -89,14 +90,14 @@ def store_key(directory: str | Path) -> bytes:
             info = os.fstat(f.fileno())
             text = f.read(4 * KEY_BYTES)
     except OSError as exc:
-        raise UserError(f"--kv-offload-dir {path}: cannot read its key {KEY_FILE}: {exc}") from None
+        raise UserError(f"{flag} {path}: cannot read its key {KEY_FILE}: {exc}") from None
     if (
         not stat.S_ISREG(info.st_mode)
         or info.st_uid not in (os.getuid(), 0)
         or info.st_mode & 0o077
     ):
         raise UserError(
-            f"--kv-offload-dir {path}: refusing its key {KEY_FILE}: it is not a regular file "
+            f"{flag} {path}: refusing its key {KEY_FILE}: it is not a regular file "
             f"that only this user can read and write (0600). Delete it (a new key is made; "
             f"the blocks already there are then recomputed)"
         )
@@ -105,7 +106,7 @@ def store_key(directory: str | Path) -> bytes:
     except ValueError:
         key = b""
     if len(key) < KEY_BYTES:
-        raise UserError(f"--kv-offload-dir {path}: its key {KEY_FILE} is not {KEY_BYTES} hex bytes")
+        raise UserError(f"{flag} {path}: its key {KEY_FILE} is not {KEY_BYTES} hex bytes")
     return key
 
 

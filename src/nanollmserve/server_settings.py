@@ -134,6 +134,18 @@ class ServerSettings:
         ),
     )
     """prefill | decode | both, reported by /health for the router's pd policy."""
+    slot_save_path: str | None = field(
+        default=None,
+        metadata=_flag(
+            "llama.cpp's slot actions (POST /slots/{id}?action=save|restore|erase): save a "
+            "sequence place's cached KV blocks and tokens to a file in this directory and "
+            "restore them into the prefix cache; a private directory of this user (made 0700; "
+            "one writable by others is refused), files 0600, behind the API key (the admin key "
+            "alone with --admin-api-key) (default: off, the actions answer 501)",
+            metavar="DIR",
+        ),
+    )
+    """Where saved slots go (`engine/slot_save.py`); None: slot actions are a 501."""
     enable_debug_endpoints: bool = field(
         default=False,
         metadata=_flag(

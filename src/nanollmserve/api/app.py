@@ -65,7 +65,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         open_paths = OPEN_PATHS if settings.metrics_require_auth else OPEN_PATHS | {"/metrics"}
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_key=settings.api_key,
+            open_paths=open_paths,
+            admin_slot_actions=bool(settings.admin_api_key),
+        )
     # The admin routes: their own key (404 without one), never the API key's (api/auth.py).
     app.add_middleware(AdminKeyMiddleware, admin_api_key=settings.admin_api_key)
     app.add_middleware(AnthropicErrorShape)  # outside auth and the size cap: their errors too

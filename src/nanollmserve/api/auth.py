@@ -12,11 +12,15 @@ the clients': `AdminKeyMiddleware` serves them only with `--admin-api-key` (or
 NANOLLMSERVE_ADMIN_API_KEY) set, a 404 otherwise as if they did not exist, and checks that
 key on them in the same two headers (a 401 in the OpenAI error shape when it is missing or
 wrong). The inference key never opens them; the API-key check leaves them to this one.
+llama.cpp's slot actions (`POST /slots/{id}`, which write and read files of
+`--slot-save-path`) are client routes behind the API key, as on llama.cpp, unless the server
+has an admin key: then they are the operator's, behind the admin key alone.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 
 from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -39,6 +43,12 @@ ADMIN_ROUTE_FLAGS = {
 ADMIN_PATHS = frozenset(ADMIN_ROUTE_FLAGS)
 """Operator routes: behind `--admin-api-key`, never the inference key (docs/SECURITY.md)."""
 ADMIN_KEY_FLAG = "--admin-api-key"
+_SLOT_ACTION = re.compile(r"/slots/[^/]+/?")
+"""llama.cpp's slot actions: admin routes when the server has an admin key."""
+
+
+def is_slot_action(path: str) -> bool:
+    return _SLOT_ACTION.fullmatch(path) is not None
 
 
 def _given_keys(scope: Scope) -> tuple[bytes, bytes]:
@@ -65,8 +75,17 @@ def is_admin_path(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        open_paths: frozenset[str] = OPEN_PATHS,
+        admin_slot_actions: bool = False,
+    ):
+        """`admin_slot_actions`: the server has an admin key, which alone opens the slot
+        actions (the admin middleware checks it)."""
         self.app = app
+        self.admin_slot_actions = admin_slot_actions
         self.expected = f"Bearer {api_key}".encode()
         self.expected_x_api_key = api_key.encode()
         self.open_paths = open_paths
@@ -74,7 +93,12 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The path under --root-path: uvicorn puts the prefix in front of scope["path"].
         path = get_route_path(scope) if scope["type"] == "http" else ""
-        if scope["type"] != "http" or path in self.open_paths or is_admin_path(path):
+        if (
+            scope["type"] != "http"
+            or path in self.open_paths
+            or is_admin_path(path)
+            or (self.admin_slot_actions and is_slot_action(path))
+        ):
             await self.app(scope, receive, send)
             return
         given, given_x_api_key = _given_keys(scope)
@@ -94,7 +118,8 @@ class APIKeyMiddleware:
 
 class AdminKeyMiddleware:
     """The admin routes: a 404 without an admin key configured, a 401 without the right one
-    on the request; every other path passes untouched."""
+    on the request; the slot actions: a 401 without it when one is configured; every other
+    path passes untouched."""
 
     def __init__(self, app: ASGIApp, admin_api_key: str | None) -> None:
         self.app = app
@@ -102,7 +127,8 @@ class AdminKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = get_route_path(scope) if scope["type"] == "http" else ""
-        if scope["type"] != "http" or not is_admin_path(path):
+        slot_action = bool(self.admin_api_key) and is_slot_action(path)
+        if scope["type"] != "http" or not (is_admin_path(path) or slot_action):
             await self.app(scope, receive, send)
             return
         if not self.admin_api_key:

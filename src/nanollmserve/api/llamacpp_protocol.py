@@ -13,7 +13,7 @@ like any unknown field.
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -277,6 +277,14 @@ class ApplyTemplateRequest(RequestModel):
 
 class ApplyTemplateResponse(OpenAIBaseModel):
     prompt: str
+
+
+class SlotActionRequest(OpenAIBaseModel):
+    """The body of `POST /slots/{id}?action=save|restore` (erase takes none)."""
+
+    filename: Any = None
+    """A plain file name in the --slot-save-path directory (checked by the handler: a 400
+    in the OpenAI shape, never a validation error)."""
 
 
 class SlotState(OpenAIBaseModel):

@@ -19,6 +19,7 @@ from nanollmserve.api.llamacpp_protocol import (
     CompletionResponse,
     InfillRequest,
     PropsResponse,
+    SlotActionRequest,
     SlotState,
 )
 from nanollmserve.api.routes import _ERRORS, Ctx
@@ -61,10 +62,17 @@ async def slots(ctx: Ctx, fail_on_no_slot: bool = False) -> list[SlotState]:
     return serving_llamacpp.slots(ctx, fail_on_no_slot)
 
 
-@router.post("/slots/{id_slot}", responses={501: {"description": "Slot actions unsupported"}})
-async def slot_action(id_slot: int, ctx: Ctx, action: str | None = None):
-    """save / restore / erase: refused (501): requests are not bound to slots here."""
-    serving_llamacpp.slot_action(ctx, id_slot, action)
+@router.post(
+    "/slots/{id_slot}",
+    responses={501: {"description": "Slot actions off: no --slot-save-path"}},
+)
+async def slot_action(
+    id_slot: int, ctx: Ctx, action: str | None = None, body: SlotActionRequest | None = None
+):
+    """save / restore / erase a sequence place's last sequence (its cached KV blocks and
+    tokens) to / from `filename` in the `--slot-save-path` directory (501 without it)."""
+    filename = body.filename if body is not None else None
+    return await serving_llamacpp.slot_action(ctx, id_slot, action, filename)
 
 
 @router.post("/apply-template", response_model=ApplyTemplateResponse)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import Request
 
@@ -23,10 +24,13 @@ from nanollmserve.api.request_log import REQUEST_ID_HEADER, log_client_request_i
 from nanollmserve.api.response_store import ResponseStore
 from nanollmserve.errors import ParamError
 from nanollmserve.frontend.async_engine import AsyncEngine, OutputKind, RequestStream
+from nanollmserve.kv_store_dir import open_store_dir, store_key
 from nanollmserve.outputs import RequestOutput
 from nanollmserve.request_limits import RequestLimits
 from nanollmserve.sampling_params import SamplingParams
 from nanollmserve.server_settings import ServerSettings
+
+SLOT_SAVE_FLAG = "--slot-save-path"
 
 ANY_MODEL_NAME = "*"
 """`--served-model-name '*'`: accept any model name."""
@@ -47,6 +51,12 @@ class ServerContext:
         self.responses = ResponseStore(
             settings.response_store_size, settings.response_store_max_bytes
         )
+        self.slot_dir: tuple[Path, bytes] | None = None
+        """`--slot-save-path` opened (private, marked) and its MAC key; None: off."""
+        if settings.slot_save_path is not None:
+            engine.check_slot_save()
+            path = open_store_dir(settings.slot_save_path, SLOT_SAVE_FLAG)
+            self.slot_dir = (path, store_key(path, SLOT_SAVE_FLAG))
 
     @property
     def model_name(self) -> str:

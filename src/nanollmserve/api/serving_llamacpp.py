@@ -8,14 +8,17 @@ admission path as the OpenAI routes (`ServerContext.make_params` -> `add_request
 - `/infill`: the fill-in-the-middle prompt built from the tokenizer's FIM tokens, then as
   `/completion`; a tokenizer without them is a 400 that says so.
 - `/props`, `/slots`: what the server runs with and how many sequence places are busy (no
-  prompts, no file paths). Slot actions (save/restore/erase) are refused: this engine does
-  not bind requests to slots.
+  prompts, no file paths). Slot actions (save/restore/erase, `--slot-save-path`) save a
+  place's last sequence (its cached KV blocks and tokens) to a file, restore one into the
+  prefix cache, or drop it (`frontend/async_engine.slot_action`, `engine/slot_save.py`).
 - `/apply-template`: the chat template's text for some messages (and function `tools`,
   rendered as the chat route renders them).
 - `/tokenize` with llama.cpp's `content` (and `with_pieces`): handed over by the vLLM route.
 """
 
 from __future__ import annotations
+
+import re
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -53,6 +56,8 @@ FIM_TOKEN_SETS = (
 """(prefix, suffix, middle) tokens a tokenizer may have for fill-in-the-middle."""
 
 SLOT_ACTIONS = ("save", "restore", "erase")
+SLOT_FILENAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+"""The engine checks it again (`engine/slot_save.FILENAME`)."""
 
 
 # -- /completion and /infill -----------------------------------------------------------------
@@ -262,21 +267,41 @@ def slots(ctx: ServerContext, fail_on_no_slot: bool) -> list[SlotState]:
     ]
 
 
-def slot_action(ctx: ServerContext, id_slot: int, action: str | None) -> None:
-    """Always raises: a bad slot or action is a 400; a valid one is a 501."""
+async def slot_action(
+    ctx: ServerContext, id_slot: int, action: str | None, filename: str | None
+) -> JSONResponse:
+    """save / restore / erase on sequence place `id_slot` (`engine/slot_save.py`): a 400 for
+    a bad action, slot or file name, a 501 without --slot-save-path (as llama.cpp)."""
     if action not in SLOT_ACTIONS:
         raise bad_request(f"action must be one of {', '.join(SLOT_ACTIONS)}, got {action!r}")
     if not 0 <= id_slot < ctx.engine.max_num_seqs:
         raise bad_request(
             f"id_slot must be in [0, {ctx.engine.max_num_seqs}), got {id_slot}", "id_slot"
         )
-    raise APIError(
-        501,
-        f"slot {action} is not supported: this server batches requests continuously and "
-        "binds none to a slot, so a slot has no prompt cache of its own to save, restore or "
-        "erase; repeated prompts reuse their KV blocks through the prefix cache instead",
-        code="not_implemented",
-    )
+    if ctx.slot_dir is None:
+        raise APIError(
+            501,
+            f"slot {action} is off on this server: start it with --slot-save-path DIR (a "
+            "private directory for the saved slot files), as llama.cpp's server needs too",
+            code="not_supported_error",
+        )
+    if action != "erase":
+        filename = check_slot_filename(filename)
+    directory, key = ctx.slot_dir
+    return JSONResponse(await ctx.engine.slot_action(action, id_slot, filename, directory, key))
+
+
+def check_slot_filename(filename: object) -> str:
+    """A plain file name (400 on `filename` otherwise): letters, digits, '.', '_', '-', at
+    most 128, not starting with '.' (no path, no '..', no hidden file, no NUL)."""
+    if not isinstance(filename, str) or not SLOT_FILENAME.fullmatch(filename):
+        raise bad_request(
+            "filename must be a plain file name in the --slot-save-path directory (letters, "
+            "digits, '.', '_', '-'; at most 128; not starting with '.'; no path), got "
+            f"{repr(filename)[:80]}",
+            "filename",
+        )
+    return filename
 
 
 # -- /apply-template -------------------------------------------------------------------------

@@ -207,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.sleep_idle_seconds is not None and config.tensor_parallel_size > 1:
         raise UserError("--sleep-idle-seconds is not supported with tensor parallelism")
+    if args.slot_save_path is not None:  # refused before the model loads (and again by the app)
+        from nanollmserve.kv_store_dir import open_store_dir
+
+        open_store_dir(args.slot_save_path, "--slot-save-path")
     if config.tensor_parallel_size > 1 and int(os.environ.get("RANK", 0)) > 0:
         from nanollmserve.engine.tensor_parallel.worker import run_torchrun_worker
 

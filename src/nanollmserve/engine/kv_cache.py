@@ -26,6 +26,10 @@ registered here is handed to it once the step that computes it has run
 the blocks found there are read into free pool blocks and registered, so they are taken as
 pool hits are.
 
+Saved slots (`slot_save.py`, `--slot-save-path`) use the same cache without a request:
+`cached_prefix` finds a token sequence's blocks, `insert_cached` puts restored ones in (free
+and registered, like offloaded ones) and `uncache` drops the free ones (erase).
+
 It counts nothing: the scheduler reports lookups, hits and blocks in use in its
 `SchedulerOutput`, and `EngineCore` keeps the totals (`engine/stats.py`). With the flight
 recorder on, each request's block events (allocated, released, prefix hits, evictions) go
@@ -331,6 +335,63 @@ class KVCacheManager:
                 if id(request) in ran_ids and block.block_hash == request.block_hashes[i]
             ]
         )
+
+    # -- saved slots (`slot_save.py`): a sequence's blocks by its tokens, no request --------
+    def cached_prefix(self, token_ids: list[int], root=0) -> list[KVBlock]:
+        """The cached blocks of `token_ids`' full blocks, from the first, as a request of the
+        base model without a cache salt (`root` 0) finds them: they stop at the first miss."""
+        blocks: list[KVBlock] = []
+        parent = root
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            key = (parent, tuple(token_ids[start : start + self.block_size]))
+            parent = hash(key)
+            block = self.pool.lookup(parent, key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def insert_cached(self, token_ids: list[int], num_blocks: int, fill, root=0) -> int:
+        """Put the first `num_blocks` full blocks of `token_ids` into the prefix cache: a
+        block cached already stays, a missing one gets a free pool block, `fill(index,
+        block_id)` writes its K/V, and it is registered (free, so requests take it as any
+        hit). Leaves one free block besides them -> how many of them are cached now."""
+        held: list[KVBlock] = []
+        parent = root
+        count = 0
+        try:
+            for index in range(num_blocks):
+                start = index * self.block_size
+                key = (parent, tuple(token_ids[start : start + self.block_size]))
+                parent = hash(key)
+                block = self.pool.lookup(parent, key)
+                if block is None:
+                    if self.pool.num_free_blocks < 2:
+                        break
+                    [block] = self.pool.allocate(1)
+                    fill(index, block.block_id)
+                    self.pool.register(block, parent, key)
+                else:
+                    self.pool.touch([block])  # out of the free queue: never evicted here
+                held.append(block)
+                count += 1
+        finally:
+            self.pool.free(list(reversed(held)))
+        return count
+
+    def uncache(self, token_ids: list[int], root=0) -> int:
+        """Drop `token_ids`' cached blocks that no request holds from the prefix cache (their
+        pool blocks are free for anything) -> how many were dropped."""
+        count = 0
+        for block in self.cached_prefix(token_ids, root):
+            if block.ref_cnt:
+                continue
+            del self.pool.free_queue[block.block_id]
+            del self.pool.cached_blocks[block.block_hash]
+            block.block_hash = block.key = None
+            self.pool.free_unhashed.append(block)
+            count += 1
+        return count
 
     def _block_key(self, request: Request, index: int) -> tuple:
         """(parent block's hash, this block's token ids): what the block's hash is made of.

@@ -120,6 +120,11 @@ class KVOffload:
         self._extend_chain(digests, self._root(adapter, cache_salt), token_ids, num_blocks)
         return [digest.hex() for digest in digests]
 
+    def chain_root(self, adapter=None, cache_salt: str | None = None) -> str:
+        """The hex digest a prompt's first block is chained to (the `parent_hash` of its
+        header) under this adapter (None: the base model) and salt."""
+        return self._root(adapter, cache_salt).hex()
+
     def _extend_chain(
         self, digests: list[bytes], root: bytes, token_ids: list[int], num_blocks: int
     ) -> None:

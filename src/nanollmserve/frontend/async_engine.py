@@ -36,14 +36,16 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 from nanollmserve.config import EngineConfig
+from nanollmserve.engine import slot_save
 from nanollmserve.engine.engine_core import EngineCore
 from nanollmserve.errors import ParamError, UserError
 from nanollmserve.frontend.admission import Admission
+from nanollmserve.frontend.engine_commands import SlotCall
 from nanollmserve.frontend.engine_loop import (
     EngineDeadError,
     EngineDrainingError,
@@ -428,6 +430,65 @@ class AsyncEngine:
             remote_blocks=num_blocks,
             first_token_id=first_token_id,
         )
+
+    # -- saved slots (`--slot-save-path`, engine/slot_save.py) ----------------------------------
+    def check_slot_save(self) -> None:
+        """UserError if this engine cannot save slots (called at start with the flag)."""
+        config = self.engine_loop.engine.config
+        if not config.enable_prefix_caching or config.runner == "pooling":
+            raise UserError(
+                "--slot-save-path saves and restores prefix-cache blocks: it needs prefix "
+                "caching on (not --no-enable-prefix-caching, not --runner pooling)"
+            )
+        if config.tensor_parallel_size > 1:
+            raise UserError("--slot-save-path is not supported with tensor parallelism")
+        if config.kv_cache_dtype not in ("auto", "float32", "float16"):
+            raise UserError(
+                f"--slot-save-path: kv_cache_dtype {config.kv_cache_dtype} is not supported "
+                "(the saved block format has no scales): use auto, float32 or float16"
+            )
+
+    async def slot_action(
+        self, action: str, id_slot: int, filename: str | None, directory, key: bytes
+    ) -> dict:
+        """llama.cpp's slot action on sequence place `id_slot` (checked by the caller), on the
+        engine thread between steps -> its answer in llama.cpp's shape. ParamError for a file
+        that is refused; EngineSleepingError while the engine sleeps."""
+        slot_dir = slot_save.SlotDir(directory, key)
+
+        def run(engine, slots):
+            started = time.perf_counter()
+            if action == "save":
+                n_saved, n_written = slot_save.save(
+                    engine, slot_dir, filename, slots.tokens[id_slot]
+                )
+                ms = (time.perf_counter() - started) * 1000
+                return {
+                    "id_slot": id_slot,
+                    "filename": filename,
+                    "n_saved": n_saved,
+                    "n_written": n_written,
+                    "timings": {"save_ms": ms},
+                }
+            if action == "restore":
+                tokens, n_restored, n_read = slot_save.restore(engine, slot_dir, filename)
+                slots.tokens[id_slot] = tokens
+                ms = (time.perf_counter() - started) * 1000
+                return {
+                    "id_slot": id_slot,
+                    "filename": filename,
+                    "n_restored": n_restored,
+                    "n_read": n_read,
+                    "timings": {"restore_ms": ms},
+                }
+            tokens = slots.tokens[id_slot] or []
+            slot_save.erase(engine, tokens)
+            slots.tokens[id_slot] = None
+            return {"id_slot": id_slot, "n_erased": len(tokens)}
+
+        done: Future = Future()
+        self.engine_loop.send(SlotCall(run, done))
+        return await asyncio.wrap_future(done)
 
     # -- LoRA adapters (`--enable-lora`) --------------------------------------------------------
     def lora_adapters(self) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The commands the engine loop's inbox takes (`engine_loop.py`): `Add | Abort | Sleep | Wake`.
+"""The commands the engine loop's inbox takes (`engine_loop.py`): `Add | Abort | Sleep | Wake |
+SlotCall`.
 
 Any thread queues one (`EngineLoop.add`, `abort`, `sleep`, `wake_up`); the engine thread
 drains the inbox each turn and dispatches each with `match`. Anything else is a bug: queuing
@@ -7,6 +8,7 @@ it raises `UnknownCommandError` in the caller's thread, never an abort or a sile
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,7 +18,7 @@ from nanollmserve.frontend.admission import AdmittedRequest
 if TYPE_CHECKING:
     from nanollmserve.frontend.async_engine import RequestStream
 
-__all__ = ["Abort", "Add", "EngineCommand", "Sleep", "UnknownCommandError", "Wake"]
+__all__ = ["Abort", "Add", "EngineCommand", "Sleep", "SlotCall", "UnknownCommandError", "Wake"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,17 @@ class Wake:
     done: Future
 
 
-EngineCommand = Add | Abort | Sleep | Wake
-COMMAND_TYPES = (Add, Abort, Sleep, Wake)
+@dataclass(frozen=True)
+class SlotCall:
+    """A slot action (`engine/slot_save.py`): `fn(engine, slots)` runs on the engine thread
+    between steps; `done` gets its result or its exception."""
+
+    fn: Callable
+    done: Future
+
+
+EngineCommand = Add | Abort | Sleep | Wake | SlotCall
+COMMAND_TYPES = (Add, Abort, Sleep, Wake, SlotCall)
 
 
 class UnknownCommandError(TypeError):

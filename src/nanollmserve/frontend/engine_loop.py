@@ -5,7 +5,7 @@ them. It builds them itself because PyTorch's CPU thread pool (OpenMP) belongs t
 that first runs a parallel op: a model loaded on the main thread and stepped on another
 runs its kernels about 1.5x slower (measured: a bf16 decode step 18.5 ms on the loading
 thread, 28 ms on another). Each turn
-it drains a thread-safe inbox of typed commands (`Add | Abort | Sleep | Wake`,
+it drains a thread-safe inbox of typed commands (`Add | Abort | Sleep | Wake | SlotCall`,
 `engine_commands.py`; anything else is refused when queued), runs one `step()` if any request is
 unfinished, publishes a stats snapshot, then hands the step's outputs to their request
 streams (so a consumer that sees its request end also sees it counted). With nothing to do
@@ -27,6 +27,11 @@ permanent: the loop stops, unhealthy, failing what is left with `EngineDeadError
 `nanollmserve serve` exits with status 1 so its supervisor restarts it.
 `NANOLLMSERVE_FAIL_STEPS=5,6` (step numbers, counted from 1) makes those steps raise, to test this.
 
+Slots (`engine/slot_save.py`): the loop gives each request it admits a sequence place
+(`SlotTable`: the lowest free one, or the first to free up) and, when it finishes, the place
+remembers its tokens; a `SlotCall` (llama.cpp's slot save / restore / erase) runs on this
+thread between steps, refused while the engine sleeps.
+
 Sleep mode (`sleep`, `wake_up`; docs/features/sleep-mode.md): a sleep command waits on this
 thread until no request is in the engine (with `abort`, it ends them first), then frees the
 KV pool (level 2: the weights too). From the command on, new requests end with
@@ -47,6 +52,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from nanollmserve.engine.engine_core import EngineCore, EngineStats
 from nanollmserve.engine.errors import EngineFatalError
+from nanollmserve.engine.slot_save import SlotTable
 from nanollmserve.errors import UserError
 from nanollmserve.frontend.admission import AdmittedRequest
 from nanollmserve.frontend.engine_commands import (
@@ -55,6 +61,7 @@ from nanollmserve.frontend.engine_commands import (
     Add,
     EngineCommand,
     Sleep,
+    SlotCall,
     UnknownCommandError,
     Wake,
 )
@@ -236,6 +243,7 @@ class EngineLoop:
             )
             self.driver = EngineDriver(self.engine, self.tokenizer)
             self.engine.add_failure_listener(self._on_engine_failure)
+            self.slots = SlotTable(self.engine.config.max_num_seqs)
             self._stats = self._make_stats(self.engine.stats())
         except BaseException as exc:
             self._build_error = exc
@@ -305,6 +313,8 @@ class EngineLoop:
                     self._queue_sleep(level, abort, done)
                 case Wake(done):
                     self._wake_up(done)
+                case SlotCall(fn, done):
+                    self._slot_call(fn, done)
                 case _:  # `send` refuses these: reaching here is a bug
                     raise UnknownCommandError(f"not an engine-loop command: {command!r}")
 
@@ -322,6 +332,17 @@ class EngineLoop:
             self._end(stream, exc)
             return
         self._streams[request_id] = stream
+        params = request.params
+        self.slots.assign(request_id, request.lora_name is None and params.cache_salt is None)
+
+    def _slot_call(self, fn: Callable, done: Future) -> None:
+        if self.is_sleeping or self._pending_sleeps:
+            done.set_exception(EngineSleepingError("the server is sleeping; retry later"))
+            return
+        try:
+            done.set_result(fn(self.engine, self.slots))
+        except Exception as exc:  # the caller's error (a refused file): the loop goes on
+            done.set_exception(exc)
 
     def _abort(self, request_id: str) -> None:
         aborted = self.driver.abort_request(request_id)
@@ -409,6 +430,9 @@ class EngineLoop:
             failed = any(c.finish_reason == "error" for c in final.outputs)
             self._counts["failed" if failed else "finished"] += 1
             self._notify("on_request_finished", final)
+            if not failed and final.outputs:
+                tokens = list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
+                self.slots.record(final.request_id, tokens)
         for output in step.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -443,6 +467,7 @@ class EngineLoop:
         """The last item of a request: it leaves the in-flight count."""
         with self._cond:
             self._num_seqs_in_flight -= stream.num_seqs
+        self.slots.release(stream.request_id)
         self._outbox.append((stream, item))
 
     def _deliver(self) -> None:
