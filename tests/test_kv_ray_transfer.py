@@ -2,7 +2,8 @@
 of fetched blocks (bounded, expiring, taken out by the read), the phase-2 field's
 `ray_blocks` shape checks, the router carrying it, and the decode side's fetch (a stand-in
 for Ray): a list not signed with the store key fetches nothing, a block that does not arrive
-by the deadline stops the staging there (the rest is recomputed). The multi-node run is
+by the deadline stops the staging there (the rest is recomputed); `--workers-per-node`
+placement and `--kv-transfer auto`'s choice. The multi-node run is
 tests/test_cluster_ray_pd.py."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from nanollmserve.engine import kv_block_store
 from nanollmserve.engine.kv_block_store import KVBlockStore
-from nanollmserve.errors import ParamError
+from nanollmserve.errors import ParamError, UserError
 from nanollmserve.kv_transfer import KVTransferParams
 from nanollmserve.router.pd import transfer_params
 
@@ -134,3 +135,60 @@ def test_receive_stages_in_order_until_a_block_is_late_or_the_list_is_unsigned(
         assert transfer.receive(forged) == 0 and not store.contains("00" * 8)
     finally:
         store.close()
+
+
+def _node(node_id: str, address: str, cpus: float, gpus: float = 0, alive: bool = True):
+    resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return {
+        "NodeID": node_id,
+        "NodeManagerAddress": address,
+        "Alive": alive,
+        "Resources": resources,
+    }
+
+
+def test_workers_per_node_places_by_node_affinity_in_address_order() -> None:
+    from nanollmserve.cluster.ray_workers import node_placement, ray_hosts
+
+    nodes = [
+        _node("c", "10.0.0.3", 4),
+        _node("head", "10.0.0.1", 0),  # no CPUs: no room
+        _node("b", "10.0.0.2", 2),
+        _node("a", "10.0.0.2", 1),  # room for one worker, not two
+        _node("dead", "10.0.0.0", 8, alive=False),
+    ]
+    ray = SimpleNamespace(nodes=lambda: nodes)
+    assert node_placement(ray, 2, 1, 1.0, 0.0) == ["a", "b"]
+    assert node_placement(ray, 4, 2, 1.0, 0.0) == ["b", "b", "c", "c"]
+    assert node_placement(ray, 3, 2, 1.0, 0.0) == ["b", "b", "c"]
+    with pytest.raises(UserError, match="need 3 nodes"):
+        node_placement(ray, 5, 2, 1.0, 0.0)
+    with pytest.raises(UserError, match="need 1 nodes"):
+        node_placement(ray, 1, 1, 1.0, 1.0)  # no node has a GPU
+    with pytest.raises(UserError, match=">= 1"):
+        node_placement(ray, 1, 0, 1.0, 0.0)
+    assert ray_hosts(ray) == 3  # alive nodes' distinct addresses
+
+
+def test_kv_transfer_auto_picks_ray_only_across_hosts_without_a_shared_directory() -> None:
+    from nanollmserve.cluster.pd_roles import Roles
+
+    for transfer, hosts, given, expected in [
+        ("auto", None, None, "store"),  # local workers or ray local
+        ("auto", 1, None, "store"),  # a Ray cluster on one host
+        ("auto", 3, None, "ray"),
+        ("auto", 3, "/shared/kv", "store"),  # a directory every node sees
+        ("ray", 1, None, "ray"),  # forced (the tests)
+        ("store", 3, "/shared/kv", "store"),
+    ]:
+        roles = Roles(1, 1, given, transfer)
+        roles.resolve(hosts)
+        assert roles.transfer == expected, (transfer, hosts, given)
+        assert (roles.ray_key is not None) == (expected == "ray")
+    roles = Roles(1, 2, None, "ray")
+    roles.resolve(2)
+    with roles.shared_store() as worker_args:  # no shared directory is made
+        assert worker_args == [
+            ["--kv-role", role, "--kv-transfer", "ray"] for role in ("prefill", "decode", "decode")
+        ]
+    assert len(roles.ray_key) == 32
