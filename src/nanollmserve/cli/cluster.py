@@ -1,8 +1,11 @@
 """`nanollmserve cluster --workers N [serve flags...]`: N `serve` workers plus the router.
 `--prefill-workers P --decode-workers D` instead: prefill/decode disaggregation, P workers
 with `--kv-role prefill` then D with `--kv-role decode` sharing one `--kv-offload-dir` (a
-fresh directory under /dev/shm, removed at exit, unless one is given), behind the router's
-`--policy pd` (`nanollmserve.cluster.pd_roles`).
+fresh directory under /dev/shm, removed at exit, unless one is given) or, with
+`--kv-transfer ray` (`auto`: on a Ray cluster of several hosts), each with its own store and
+the blocks moved through Ray's object store, behind the router's `--policy pd`
+(`nanollmserve.cluster.pd_roles`). `--workers-per-node N` places Ray actors by node
+affinity.
 
 Locally (the default) the workers are processes on ports `--base-port`, `--base-port`+1, ...
 of `--worker-host`, one GPU each where there are several, restarted with backoff when they
@@ -56,8 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="D",
         help="prefill/decode disaggregation: D workers with --kv-role decode (with "
-        "--prefill-workers); they share one --kv-offload-dir with the prefill workers "
-        "(default: a fresh directory under /dev/shm, removed at exit)",
+        "--prefill-workers); they get the prefill workers' blocks by --kv-transfer (store: "
+        "one shared --kv-offload-dir, default a fresh directory under /dev/shm removed at "
+        "exit)",
     )
     parser.add_argument(
         "--kv-transfer",
