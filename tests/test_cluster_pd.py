@@ -266,7 +266,9 @@ def test_cli_refusals_are_one_line() -> None:
         ("--policy", "prefix"): "run the router's --policy pd, not prefix",
         ("--kv-role", "decode"): "--kv-role is set by the cluster",
         ("--decode-workers", "0"): "must be >= 1",
-        ("--ray-address", "auto"): "needs --kv-offload-dir DIR",
+        ("--ray-address", "auto", "--kv-transfer", "store"): "needs --kv-offload-dir DIR",
+        ("--kv-transfer", "ray"): "--kv-transfer ray needs --ray-address",
+        ("--workers-per-node", "1"): "--workers-per-node places Ray actors",
     }
     stores = set(Path("/dev/shm").glob("nanollmserve-kv-*"))
     for extra, message in cases.items():

@@ -32,6 +32,7 @@ __all__ = [
 DEFAULT_RESPONSE_STORE_MAX_BYTES = 64 << 20
 """What the stored /v1/responses results may hold in all, by default (64 MiB)."""
 KV_ROLES = ("prefill", "decode", "both")
+KV_TRANSFERS = ("store", "ray")
 API_KEY_ENV = "NANOLLMSERVE_API_KEY"
 
 SERVER_GROUP = "server"
@@ -146,6 +147,37 @@ class ServerSettings:
         ),
     )
     """Where saved slots go (`engine/slot_save.py`); None: slot actions are a 501."""
+    kv_transfer: str = field(
+        default="store",
+        metadata=_flag(
+            "how prefill and decode workers move KV blocks: store = through the "
+            "--kv-offload-dir directory they share (one host: /dev/shm); ray = through Ray's "
+            "object store (workers on different hosts; each keeps its own --kv-offload-dir, "
+            "with the same key; joins the Ray cluster at RAY_ADDRESS) (default %(default)s)",
+            choices=list(KV_TRANSFERS),
+        ),
+    )
+    """store | ray: the transport of prefill/decode disaggregation's blocks."""
+    kv_transfer_hold_seconds: float = field(
+        default=120.0,
+        metadata=_flag(
+            "--kv-transfer ray, prefill worker: seconds it keeps a prompt's blocks in Ray's "
+            "object store after answering phase 1 (at most --kv-offload-max-bytes of them, "
+            "oldest freed first); a decode worker that fetches later recomputes them "
+            "(default %(default)s)",
+            type=float,
+            metavar="S",
+        ),
+    )
+    kv_transfer_timeout: float = field(
+        default=10.0,
+        metadata=_flag(
+            "--kv-transfer ray, decode worker: seconds it waits for a prompt's blocks from "
+            "Ray's object store; a block missing or late is recomputed (default %(default)s)",
+            type=float,
+            metavar="S",
+        ),
+    )
     enable_debug_endpoints: bool = field(
         default=False,
         metadata=_flag(

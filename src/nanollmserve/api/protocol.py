@@ -247,7 +247,7 @@ class SamplingExtensions(OpenAIBaseModel):
         description='Prefill/decode disaggregation (vLLM\'s name): {"do_remote_decode": true} '
         "(answer once the prompt's KV blocks are in the --kv-offload-dir store) or "
         '{"do_remote_prefill": true, "remote_tokens": N, "remote_blocks": B, '
-        '"first_token_id": T}.',
+        '"first_token_id": T} (plus phase 1\'s signed "ray_blocks" under --kv-transfer ray).',
     )
 
     def structured_outputs_params(self):

@@ -18,6 +18,9 @@ class KVTransferResultJSON(OpenAIBaseModel):
     remote_tokens: int
     remote_blocks: int
     first_token_id: int
+    ray_blocks: dict | None = None
+    """Under `serve --kv-transfer ray`: the signed list of the blocks' objects in Ray's
+    object store (null with the shared store)."""
 
 
 def check_kv_transfer(params: SamplingParams, *, stream: bool, num_prompts: int = 1) -> None:
@@ -53,4 +56,5 @@ async def kv_transfer_result(ctx, params: SamplingParams, output, model: str):
         remote_tokens=result.remote_tokens,
         remote_blocks=result.remote_blocks,
         first_token_id=result.first_token_id,
+        ray_blocks=result.ray_blocks,
     )

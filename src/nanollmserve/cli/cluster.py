@@ -1,8 +1,11 @@
 """`nanollmserve cluster --workers N [serve flags...]`: N `serve` workers plus the router.
 `--prefill-workers P --decode-workers D` instead: prefill/decode disaggregation, P workers
 with `--kv-role prefill` then D with `--kv-role decode` sharing one `--kv-offload-dir` (a
-fresh directory under /dev/shm, removed at exit, unless one is given), behind the router's
-`--policy pd` (`nanollmserve.cluster.pd_roles`).
+fresh directory under /dev/shm, removed at exit, unless one is given) or, with
+`--kv-transfer ray` (`auto`: on a Ray cluster of several hosts), each with its own store and
+the blocks moved through Ray's object store, behind the router's `--policy pd`
+(`nanollmserve.cluster.pd_roles`). `--workers-per-node N` places Ray actors by node
+affinity.
 
 Locally (the default) the workers are processes on ports `--base-port`, `--base-port`+1, ...
 of `--worker-host`, one GPU each where there are several, restarted with backoff when they
@@ -56,8 +59,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="D",
         help="prefill/decode disaggregation: D workers with --kv-role decode (with "
-        "--prefill-workers); they share one --kv-offload-dir with the prefill workers "
-        "(default: a fresh directory under /dev/shm, removed at exit)",
+        "--prefill-workers); they get the prefill workers' blocks by --kv-transfer (store: "
+        "one shared --kv-offload-dir, default a fresh directory under /dev/shm removed at "
+        "exit)",
+    )
+    parser.add_argument(
+        "--kv-transfer",
+        choices=("auto", "store", "ray"),
+        default="auto",
+        help="with --prefill-workers: how the KV blocks go from prefill to decode workers: "
+        "store = one --kv-offload-dir every worker sees (default: a fresh one under "
+        "/dev/shm); ray = Ray's object store, each worker with its own store (needs "
+        "--ray-address); auto = store on one host (local workers, a Ray cluster on one "
+        "host, or a --kv-offload-dir given), ray across hosts (default %(default)s)",
     )
     parser.add_argument(
         "--worker-cpus",
@@ -103,6 +117,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="auto|HOST:PORT|local",
         help="run the workers as Ray actors on this Ray cluster (auto: the one `ray start` "
         "made here; local: a private one on this machine) (default: local processes)",
+    )
+    ray_group.add_argument(
+        "--workers-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="place N workers on each node, by node affinity: worker i on the (i // N)-th "
+        "node with room for N (ordered by address; prefill workers first) (default: where "
+        "Ray's resources put them)",
     )
     ray_group.add_argument(
         "--worker-num-cpus",
@@ -199,7 +222,18 @@ def run(args: argparse.Namespace) -> int:
     args.worker_admin_api_key = (
         args.worker_admin_api_key or args.admin_api_key or secrets.token_urlsafe(32)
     )
+    if args.workers_per_node is not None and args.ray_address is None:
+        raise UserError("--workers-per-node places Ray actors: it needs --ray-address")
+    if args.kv_transfer != "auto" and roles is None:
+        raise UserError("--kv-transfer is for --prefill-workers/--decode-workers")
     settings = router_settings(args)
+    if roles is not None:
+        hosts = None
+        if roles.transfer == "auto" and args.ray_address not in (None, "local"):
+            from nanollmserve.cluster.ray_workers import init_ray, ray_hosts
+
+            hosts = ray_hosts(init_ray(args.ray_address, args.workers, args.worker_num_cpus))
+        roles.resolve(hosts)
     store = roles.shared_store() if roles is not None else contextlib.nullcontext()
     with store as worker_args:
         check_serve_args(serve_args, worker_args[0] if worker_args else None)
@@ -217,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             if args.ray_address is None:
                 workers = _local_workers(args, serve_args, worker_key, ports, worker_args)
             else:
-                workers = _ray_workers(args, serve_args, worker_key, worker_args)
+                workers = _ray_workers(args, serve_args, worker_key, worker_args, roles)
             from nanollmserve.cluster.launcher import run_cluster
 
             asyncio.run(run_cluster(workers, router_sock, settings, args.log_level))
@@ -258,7 +292,7 @@ def _local_workers(args, serve_args, worker_key, ports, worker_args):
     return workers
 
 
-def _ray_workers(args, serve_args, worker_key, worker_args):
+def _ray_workers(args, serve_args, worker_key, worker_args, roles=None):
     from nanollmserve.cluster.ray_workers import RayWorkers
 
     host = args.worker_host or ("127.0.0.1" if args.ray_address == "local" else None)
@@ -275,6 +309,8 @@ def _ray_workers(args, serve_args, worker_key, worker_args):
         args.shutdown_timeout,
         worker_args,
         admin_api_key=args.worker_admin_api_key,
+        workers_per_node=args.workers_per_node,
+        kv_key=roles.ray_key if roles is not None else None,
     )
 
 

@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
             f"--kv-role {args.kv_role} needs --kv-offload-dir DIR, the store the prefill and "
             "decode workers share (the same directory for both, e.g. under /dev/shm)"
         )
+    if args.kv_transfer == "ray":
+        _check_ray_transfer(args, config)
     if config.runner == "pooling" and args.reasoning_parser is not None:
         raise UserError(
             "--reasoning-parser has nothing to parse with --runner pooling "
@@ -238,6 +240,25 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         sock.close()
+
+
+def _check_ray_transfer(args: argparse.Namespace, config) -> None:
+    """`--kv-transfer ray`: its numbers, its store, then join the Ray cluster (RAY_ADDRESS,
+    else the one `ray start` made here) before the model loads."""
+    for flag, value in (
+        ("--kv-transfer-hold-seconds", args.kv_transfer_hold_seconds),
+        ("--kv-transfer-timeout", args.kv_transfer_timeout),
+    ):
+        if not (math.isfinite(value) and value >= 0):
+            raise UserError(f"{flag} must be a number of seconds >= 0, got {value}")
+    if config.kv_offload_dir is None:
+        raise UserError(
+            "--kv-transfer ray needs --kv-offload-dir DIR, this worker's own store (blocks "
+            "are written there and read from there; Ray carries them between the workers)"
+        )
+    from nanollmserve.engine.kv_ray_transfer import connect
+
+    connect(os.environ.get("RAY_ADDRESS"))
 
 
 def _start_native_build(args: argparse.Namespace) -> None:
@@ -295,6 +316,14 @@ async def _serve(args, settings, config, chat_template, max_queue_len, sock, sta
     from nanollmserve.metrics import StatsLogger
 
     engine = await building
+    if args.kv_transfer == "ray":
+        from nanollmserve.engine.kv_ray_transfer import RayKVTransfer
+
+        engine.kv_transport = RayKVTransfer(
+            engine.engine_loop.engine.kv_offload.store,
+            hold_seconds=args.kv_transfer_hold_seconds,
+            fetch_timeout=args.kv_transfer_timeout,
+        )
     try:
         for name, path in args.lora_modules:
             await engine.load_lora(name, path)

@@ -8,6 +8,11 @@ is no /dev/shm), made before the workers start and removed when the cluster stop
 directory the user gives is kept. Ray across machines needs one given: every node must see
 the same directory (a shared file system), which this cannot make.
 
+With `--kv-transfer ray` (or `auto` on a Ray cluster of several hosts and no
+`--kv-offload-dir`) there is no shared directory: each worker actor makes its own private
+store on its node, all with one MAC key the launcher makes (`ray_key`, given to the actors),
+and the blocks travel through Ray's object store (`engine/kv_ray_transfer.py`).
+
 Either way the launcher opens the store before any worker starts (`kv_block_store`: a
 private directory, 0700, marked as a store; a directory another user owns or could write,
 or a non-empty one that is not a store, stops the cluster with the reason) and creates its
@@ -38,6 +43,23 @@ class Roles:
     num_decode: int
     given_store: str | None
     """The user's --kv-offload-dir (already among the serve flags), or None."""
+    transfer: str = "store"
+    """store | ray | auto (resolved by `resolve` once the launcher knows the hosts)."""
+    ray_key: bytes | None = None
+    """--kv-transfer ray: the MAC key every worker's own store gets."""
+
+    def resolve(self, ray_hosts: int | None) -> None:
+        """Settle `auto`: the shared store on one host (local workers, a Ray cluster on one
+        host, or a directory the user gave), Ray's object store across hosts."""
+        if self.transfer == "auto":
+            several = ray_hosts is not None and ray_hosts > 1 and self.given_store is None
+            self.transfer = "ray" if several else "store"
+        if self.transfer == "ray":
+            import secrets
+
+            from nanollmserve.kv_store_dir import KEY_BYTES
+
+            self.ray_key = secrets.token_bytes(KEY_BYTES)
 
     @property
     def num_workers(self) -> int:
@@ -49,6 +71,10 @@ class Roles:
         the store they share made for the time of the block (unless the user gave one)."""
         from nanollmserve.kv_store_dir import open_store_dir, store_key
 
+        roles = ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+        if self.transfer == "ray":  # each actor makes its own store (RayWorkers)
+            yield [["--kv-role", role, "--kv-transfer", "ray"] for role in roles]
+            return
         made = None
         if self.given_store is None:
             made = tempfile.mkdtemp(prefix=STORE_PREFIX, dir=SHM_DIR if SHM_DIR.is_dir() else None)
@@ -59,7 +85,6 @@ class Roles:
                 shutil.rmtree(made, ignore_errors=True)
             raise
         store = [] if made is None else ["--kv-offload-dir", made]
-        roles = ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
         try:
             yield [["--kv-role", role, *store] for role in roles]
         finally:
@@ -88,12 +113,20 @@ def disaggregated_roles(args: argparse.Namespace, serve_args: list[str]) -> Role
             f"--prefill-workers/--decode-workers run the router's --policy pd, not {args.policy}"
         )
     store_dir = serve_flag_value(serve_args, "--kv-offload-dir")
-    if store_dir is None and args.ray_address not in (None, "local"):
+    transfer = args.kv_transfer
+    if transfer == "ray" and args.ray_address is None:
+        raise UserError("--kv-transfer ray needs --ray-address (the workers as Ray actors)")
+    if transfer == "ray" and store_dir is not None:
         raise UserError(
-            "--prefill-workers with --ray-address needs --kv-offload-dir DIR, a directory "
-            "every node sees (the workers hand KV blocks over through it)"
+            "--kv-transfer ray gives each worker its own store: leave --kv-offload-dir out"
         )
-    return Roles(prefill, decode, store_dir)
+    if transfer == "store" and store_dir is None and args.ray_address not in (None, "local"):
+        raise UserError(
+            "--prefill-workers with --ray-address and --kv-transfer store needs "
+            "--kv-offload-dir DIR, a directory every node sees (the workers hand KV blocks "
+            "over through it); or --kv-transfer ray"
+        )
+    return Roles(prefill, decode, store_dir, transfer)
 
 
 def serve_flag_value(serve_args: list[str], name: str) -> str | None:

@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 MAX_PENDING_BYTES = 256 << 20
 """K/V copies waiting for the writer thread, at most: past that, new blocks are dropped."""
+MAX_STAGED_BYTES = 1 << 30
+"""Blocks fetched from another host (`stage`) waiting for the engine, at most."""
+STAGED_TTL_S = 60.0
+"""A staged block the engine has not read this long after it arrived is dropped."""
 STALE_TEMP_SECONDS = 3600.0
 """A temporary file older than this was left by a process that died mid-write."""
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -86,6 +90,9 @@ class KVBlockStore:
         self._queue: queue.Queue = queue.Queue()
         self._waiters: list[tuple[set[str], Future]] = []
         """`when_written`'s futures, each with the names it still waits for."""
+        self._inbox: OrderedDict[str, tuple[float, bytes | bytearray]] = OrderedDict()
+        """`stage`d blocks: name -> (when it expires, its bytes), oldest first."""
+        self._inbox_bytes = 0
         self.num_written = 0
         self.num_dropped = 0
         """Blocks not written because the writer was MAX_PENDING_BYTES behind."""
@@ -134,9 +141,47 @@ class KVBlockStore:
         with contextlib.suppress(OSError), self._shard(name) as shard:
             os.unlink(f"{name}{SUFFIX}", dir_fd=shard)  # removes a link, never its target
 
+    def stage(self, name: str, data: bytes | bytearray) -> None:
+        """Hold a block fetched from another host (`kv_ray_transfer`) in memory until the
+        engine reads it (`read` takes it out): bounded by MAX_STAGED_BYTES (oldest dropped
+        first) and STAGED_TTL_S. Unchecked here: the reader verifies it like a file."""
+        with self._lock:
+            old = self._inbox.pop(name, None)
+            if old is not None:
+                self._inbox_bytes -= len(old[1])
+            self._inbox[name] = (time.monotonic() + STAGED_TTL_S, data)
+            self._inbox_bytes += len(data)
+            self._expire_inbox()
+
+    def _expire_inbox(self) -> None:
+        now = time.monotonic()
+        while self._inbox:
+            name, (expires, data) = next(iter(self._inbox.items()))
+            if expires > now and self._inbox_bytes <= MAX_STAGED_BYTES:
+                break
+            del self._inbox[name]
+            self._inbox_bytes -= len(data)
+
+    def _take_staged(self, name: str) -> bytes | bytearray | None:
+        with self._lock:
+            self._expire_inbox()
+            entry = self._inbox.pop(name, None)
+            if entry is None:
+                return None
+            self._inbox_bytes -= len(entry[1])
+            return entry[1]
+
+    @property
+    def num_staged_bytes(self) -> int:
+        return self._inbox_bytes
+
     def contains(self, name: str) -> bool:
-        """On disk now (a block still being written is not), whichever process wrote it: a
-        file another process wrote is adopted into this index, one it deleted forgotten."""
+        """On disk now (a block still being written is not), whichever process wrote it, or
+        staged: a file another process wrote is adopted into this index, one it deleted
+        forgotten."""
+        with self._lock:
+            if name in self._inbox:
+                return True
         try:
             size = self._stat(name).st_size
         except OSError:
@@ -190,7 +235,11 @@ class KVBlockStore:
         self._queue.put((name, header, kv))
 
     def read(self, name: str) -> bytearray | None:
-        """The file's bytes (None if it is gone), marking it the most recently used."""
+        """The file's bytes (None if it is gone), marking it the most recently used; a staged
+        block's bytes first (taken out of the inbox)."""
+        staged = self._take_staged(name)
+        if staged is not None:
+            return staged if isinstance(staged, bytearray) else bytearray(staged)
         file = f"{name}{SUFFIX}"
         try:
             with self._shard(name) as shard:
@@ -213,6 +262,7 @@ class KVBlockStore:
 
     def discard(self, name: str) -> None:
         """Delete a file the caller found corrupt or foreign: it is never read again."""
+        self._take_staged(name)
         self._forget(name)
         self._unlink(name)
 

@@ -188,6 +188,9 @@ class AsyncEngine:
         variables of every chat that does not set them (`--default-chat-template-kwargs`)."""
         self.config = config
         self.engine_loop = EngineLoop(lambda: engine or EngineCore(config), sleep_idle_seconds)
+        self.kv_transport = None
+        """`serve --kv-transfer ray`: the KV blocks of prefill/decode disaggregation go through
+        Ray's object store (`engine/kv_ray_transfer.RayKVTransfer`); None: the shared store."""
         core = self.engine_loop.engine
         if sleep_idle_seconds is not None:
             try:
@@ -366,6 +369,7 @@ class AsyncEngine:
             if grammar_params is not None:  # its size limits, before tokenizing
                 self.input_processor.grammar_compiler.check(grammar_params)
             prompt_text, token_ids = await self._off_loop(self._prepare, prompt, params)
+            await self._receive_kv(params)
             grammar = None
             if grammar_params is not None:
                 grammar = await self.grammar_pool.compile(grammar_params)
@@ -425,10 +429,15 @@ class AsyncEngine:
         written = asyncio.wrap_future(offload.store.when_written(names))
         await asyncio.wait([written], timeout=KV_HANDOFF_TIMEOUT_S)
         num_blocks = offload.store.num_stored(names)
+        ray_blocks = None
+        if self.kv_transport is not None and num_blocks:  # `--kv-transfer ray`
+            ray_blocks = await asyncio.to_thread(self.kv_transport.send, names[:num_blocks])
+            num_blocks = len(ray_blocks["blocks"]) if ray_blocks else 0
         return KVTransferResult(
             remote_tokens=num_blocks * self.info.block_size,
             remote_blocks=num_blocks,
             first_token_id=first_token_id,
+            ray_blocks=ray_blocks,
         )
 
     # -- saved slots (`--slot-save-path`, engine/slot_save.py) ----------------------------------
@@ -490,6 +499,20 @@ class AsyncEngine:
         self.engine_loop.send(SlotCall(run, done))
         return await asyncio.wrap_future(done)
 
+    async def _receive_kv(self, params: SamplingParams) -> None:
+        """Phase 2 under `--kv-transfer ray`: fetch the blocks phase 1 put into Ray's object
+        store (within the transport's deadline; what does not arrive is recomputed) and stage
+        them for the engine's prefix lookup."""
+        transfer = params.kv_transfer_params
+        if (
+            self.kv_transport is None
+            or transfer is None
+            or not transfer.do_remote_prefill
+            or not transfer.ray_blocks
+        ):
+            return
+        await asyncio.to_thread(self.kv_transport.receive, transfer.ray_blocks)
+
     # -- LoRA adapters (`--enable-lora`) --------------------------------------------------------
     def lora_adapters(self) -> dict[str, str]:
         """Name -> path of the loaded LoRA adapters (empty without --enable-lora)."""
@@ -550,6 +573,8 @@ class AsyncEngine:
                 timeout,
             )
         await asyncio.to_thread(self.engine_loop.stop)
+        if self.kv_transport is not None:
+            await asyncio.to_thread(self.kv_transport.close)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- admission ------------------------------------------------------------------------------

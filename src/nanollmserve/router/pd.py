@@ -4,7 +4,8 @@ A completion or chat completion with one prompt is first sent to a prefill-role 
 chosen by prefix affinity among the prefill workers, as a one-token request with
 `kv_transfer_params: {"do_remote_decode": true}`. That worker answers once every full block
 of the prompt is in the store it shares with the decode workers (`--kv-offload-dir`), with
-`kv_transfer_params: {remote_tokens, remote_blocks, first_token_id}`. Phase 2 is the
+`kv_transfer_params: {remote_tokens, remote_blocks, first_token_id}` (plus `ray_blocks`, the
+objects holding the blocks, under `serve --kv-transfer ray`). Phase 2 is the
 client's request plus those parameters and `do_remote_prefill: true`, forwarded by the
 proxy to a decode worker, which loads the blocks from the store and streams the answer.
 
@@ -164,7 +165,8 @@ def phase_one_body(path: str, parsed: dict) -> bytes | None:
 
 def transfer_params(answer: dict) -> dict | None:
     """Phase 1's `kv_transfer_params` ({remote_tokens, remote_blocks, first_token_id}, each a
-    whole number >= 0), or None when the answer has no usable ones."""
+    whole number >= 0, and `ray_blocks` when the workers move blocks over Ray: opaque here,
+    signed by the prefill worker), or None when the answer has no usable ones."""
     params = answer.get("kv_transfer_params")
     if not isinstance(params, dict):
         return None
@@ -172,6 +174,8 @@ def transfer_params(answer: dict) -> dict | None:
     for value in values.values():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             return None
+    if isinstance(params.get("ray_blocks"), dict):  # `--kv-transfer ray`: carried as it is
+        values["ray_blocks"] = params["ray_blocks"]
     return values
 
 
