@@ -1,23 +1,30 @@
 """Gemma 3 (text): parity with Hugging Face transformers' `Gemma3ForCausalLM` on tiny random
 models built in code (no download), through the model forward and the offline `LLM` with the
 paged KV cache, on prompts longer than the sliding window; a Gemma 3 GGUF file written here
-with the `gguf` package runs with its linears in GGUF blocks; the native step refuses
-Gemma's options by name.
+with the `gguf` package runs with its linears in GGUF blocks, its steps on the native step
+(`nls_decode_step`: GeGLU, the embedding scale, the sandwich norms, the sliding layers' window
+and RoPE base, the soft-cap) with the PyTorch forward's logits over the same blocks.
 
-Tolerance: logits within 1e-4 (absolute and relative) of HF in float32; greedy tokens equal.
+Tolerance: logits within 1e-4 (absolute and relative) of HF in float32; greedy tokens equal;
+the native step within the relative error the other native parity tests allow of the forward
+over the same blocks (tests/test_native_decode.py, tests/test_decoder_options.py).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from test_decode_parity import hf_greedy
 from test_model_parity import make_tiny_hf_model, native_logits
+from test_native_decode import check_step_against_forward, native_against_forward
 from transformers import AutoTokenizer, Gemma3TextConfig
 
 from nanollmserve import LLM, SamplingParams
+from nanollmserve.engine.native_decode import NativeDecodeStep
 from nanollmserve.model import ModelConfig, load_model, resolve_model
 from nanollmserve.model.gemma import Gemma3ForCausalLM
 
@@ -113,7 +120,7 @@ def test_tiny_gemma3_greedy_through_llm_matches_generate(chunk, tmp_path: Path) 
     prompts = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in (5, 17, 41)]
     extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
     llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=128, **extra)
-    assert llm.engine.model_runner.native_decode is None  # Gemma's options are refused
+    assert llm.engine.model_runner.native_decode is None  # dense weights: the PyTorch forward
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -237,8 +244,9 @@ def test_a_gemma3_gguf_runs_its_blocks_with_parity_to_the_dequantized_forward(
     embed_type: str, tmp_path: Path, isolated_cache: Path, caplog
 ) -> None:
     """The file's linears run as GGUF blocks (Q8_0 attention, Q4_0 MLP) in the PyTorch
-    forward, the native step refusing Gemma's options by name at WARNING; logits and greedy
-    tokens equal HF's Gemma3ForCausalLM holding the dequantized weights. A Q8_0 embedding
+    forward and on the native step, which implements every option Gemma declares (no
+    warning); logits and greedy tokens (native steps) equal HF's Gemma3ForCausalLM holding
+    the dequantized weights. A Q8_0 embedding
     table is looked up in its blocks and is the tied output projection's blocks (scaled by
     sqrt(hidden) after the lookup, not in the table)."""
     import logging
@@ -266,12 +274,8 @@ def test_a_gemma3_gguf_runs_its_blocks_with_parity_to_the_dequantized_forward(
     in_blocks = embed_type == "Q8_0"  # the tied output projection runs the table's blocks
     assert len(projections) == 4 * GEMMA_TINY["num_hidden_layers"] + in_blocks
     assert isinstance(model.model.embed_tokens, GGUFEmbedding) == in_blocks
-    assert runner.native_decode is None
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, caplog.text
-    for field in ("activation=", "embed_scale=", "sandwich_norms=", "sliding_window="):
-        assert field in warnings[0], warnings[0]
-    assert "norm_offset" not in warnings[0]  # folded into the norm scales: implemented
+    assert isinstance(runner.native_decode, NativeDecodeStep), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
     for seq, ours, unquantized in zip(seqs, native_logits(model, seqs), before, strict=True):
         with torch.inference_mode():
@@ -295,8 +299,11 @@ def test_a_gemma3_gguf_runs_its_blocks_with_parity_to_the_dequantized_forward(
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [seq.tolist() for seq in seqs]
+    before = Counter(runner.native_steps)
     for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 16)
+    native_steps = Counter(runner.native_steps) - before
+    assert native_steps == Counter({"batched-prefill": 1, "batched-decode": 15})
 
 
 def hf_options(hf_model):
@@ -360,3 +367,126 @@ def test_bfloat16_close_to_transformers_bfloat16(tmp_path: Path) -> None:
         ref = hf_model(seq[None]).logits[0].float()
     ours = native_logits(model, [seq])[0]
     assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+# --- the native step (`nls_decode_step`) against the PyTorch forward over the same blocks ---
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory):
+    """`gemma3_gguf(embed_type)`: an LLM on the GGUF file of a random tiny Gemma 3 (Q8_0
+    attention, Q4_0 MLP; the embedding table in `embed_type`: F32 leaves the tied output
+    projection to `compute_logits`, Q8_0 runs it in the step), `--quantization gguf`, block
+    size 4, a float32 KV cache (GGUF's default float16 one rounds the K/V the native step
+    reads back, which the forward's prefill attends unrounded; the other native parity tests
+    give that case its own tolerance); one per type for the module."""
+    built: dict[str, LLM] = {}
+
+    def make(embed_type: str = "F32") -> LLM:
+        if embed_type not in built:
+            path = tmp_path_factory.mktemp(f"gemma3-gguf-{embed_type}")
+            hf_model = make_gemma(path / "hf", **GGUF_SETTINGS)
+            write_gemma3_gguf(hf_model, path / "tiny-gemma3.gguf", embed_type)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("NANOLLMSERVE_CACHE", str(path / "cache"))
+                built[embed_type] = LLM(
+                    str(path / "tiny-gemma3.gguf"), quantization="gguf", dtype="float32",
+                    block_size=4, num_kv_blocks=128, kv_cache_dtype="float32",
+                )  # fmt: skip
+        llm = built[embed_type]
+        assert isinstance(llm.engine.model_runner.native_decode, NativeDecodeStep)
+        return llm
+
+    return make
+
+
+LONG = [(7 * i + 5) % 123 + 5 for i in range(60)]
+"""A prompt far past the window of 8 (and past a span tile, so the prefill tiles slide)."""
+SPANS = ((13, 1), (30, 4), (20, 20), (33, 6))
+"""(position, tokens) of the native steps checked past the window: decode tokens and verify
+spans (the chunk kernel), a 20-token span (tiles of the span kernel)."""
+
+
+@pytest.mark.parametrize("embed_type", ["F32", "Q8_0"], ids=["head-in-pytorch", "head-native"])
+def test_a_gemma3_gguf_steps_natively_with_the_forwards_logits(embed_type, gemma3_gguf) -> None:
+    """Prefills and decode steps of greedy generation, and steps past the window: the native
+    step's logits and K/V against the forward's over the same blocks, within the bounds of
+    the other native parity tests (tests/test_decoder_options.py)."""
+    llm = gemma3_gguf(embed_type)
+    step = llm.engine.model_runner.native_decode
+    assert step._returns_logits == (embed_type == "Q8_0")
+    steps, worst = check_step_against_forward(llm, [[5, 9, 17, 33, 12, 71], LONG[:37]], 8)
+    assert steps == Counter(decode=2 * 7, prefill=2)
+    assert worst < 3e-3, worst
+    for position, num_tokens in SPANS:
+        worst, kv_error = native_against_forward(llm, LONG, position, num_tokens)
+        assert worst < 1e-3 and kv_error < 1e-3, (position, num_tokens, worst, kv_error)
+
+
+def test_the_native_window_and_local_rope_matter(gemma3_gguf) -> None:
+    """Gemma's declaration to the step: five sliding layers, one global, one sliding, each
+    sliding one with its own RoPE table, four norms a layer. The same step built with the
+    windows (or the local tables) taken away moves off the forward past the window: the
+    parity above is of a step that slides."""
+    llm = gemma3_gguf("F32")
+    runner = llm.engine.model_runner
+    decoder = runner.model.native_decoder()
+    assert [layer.window for layer in decoder.layers] == [WINDOW] * 5 + [0] + [WINDOW]
+    assert [layer.rope is not None for layer in decoder.layers] == [True] * 5 + [False] + [True]
+    assert all(layer.attn_out_norm is not None for layer in decoder.layers)
+    assert all(layer.mlp_out_norm is not None for layer in decoder.layers)
+    step = runner.native_decode
+    try:
+        for changed in (dict(window=0), dict(rope=None)):
+            layers = tuple(replace(layer, **changed) for layer in decoder.layers)
+            declared = replace(decoder, layers=layers)
+            runner.native_decode = NativeDecodeStep(declared, runner.model, 512)
+            for num_tokens in (1, 20):
+                worst, _ = native_against_forward(llm, LONG, 30, num_tokens)
+                assert worst > 1e-2, (changed, num_tokens, worst)
+    finally:
+        runner.native_decode = step
+
+
+def test_gemma3_greedy_tokens_equal_native_or_not(gemma3_gguf) -> None:
+    """Prompts shorter and longer than the window, batched, greedy: the tokens of the native
+    steps (batched prefill and decode) are the forward's."""
+    llm = gemma3_gguf("Q8_0")
+    runner = llm.engine.model_runner
+    prompts = [LONG[:5], LONG[3:44]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = Counter(runner.native_steps)
+    native = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert Counter(runner.native_steps) - before == Counter(
+        {"batched-prefill": 1, "batched-decode": 7}
+    )
+    step, runner.native_decode = runner.native_decode, None
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        forward = [out.outputs[0].token_ids for out in outputs]
+    finally:
+        runner.native_decode = step
+    assert native == forward
+    assert all(len(set(tokens)) > 1 for tokens in native)
+
+
+def test_the_final_logit_soft_cap_runs_in_the_step(gemma3_gguf) -> None:
+    """A soft-cap of 5 (Gemma 2's option, on this Gemma 3) with the output projection in the
+    step (the Q8_0 table's blocks): the step caps the logits it computes (`logit_softcap`),
+    as the forward's `compute_logits` does; without it the logits move off."""
+    llm = gemma3_gguf("Q8_0")
+    runner = llm.engine.model_runner
+    model, step = runner.model, runner.native_decode
+    options = model.options
+    model.options = replace(options, final_logit_softcap=5.0)
+    try:
+        runner.native_decode = NativeDecodeStep.for_model(model, 512)
+        assert runner.native_decode._struct.logit_softcap == 5.0
+        for position, num_tokens in SPANS:
+            worst, kv_error = native_against_forward(llm, LONG, position, num_tokens)
+            assert worst < 1e-3 and kv_error < 1e-3, (position, num_tokens, worst, kv_error)
+        runner.native_decode._struct.logit_softcap = 0.0
+        worst, _ = native_against_forward(llm, LONG, 30, 1)
+        assert worst > 1e-2, worst
+    finally:
+        model.options, runner.native_decode = options, step

@@ -40,7 +40,7 @@ from torch import nn
 from nanollmserve.engine.step_batch import StepBatch
 from nanollmserve.model.native_decoder import NativeDecoder, NotNativeError
 from nanollmserve.native import ops
-from nanollmserve.native.abi import NlsLayer, NlsModel
+from nanollmserve.native.abi import ACTIVATION_CODES, NlsLayer, NlsModel
 from nanollmserve.native.ops import KV_DTYPE_CODES, decode_step, decode_step_limits
 from nanollmserve.native.supported import refusal
 
@@ -60,6 +60,7 @@ def _layer_struct(layer) -> NlsLayer:
         _ptr(layer.input_norm), _ptr(layer.post_norm),
         _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(layer.k_cache), _ptr(layer.v_cache),
         _ptr(layer.k_scale), _ptr(layer.v_scale),
+        _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm), _ptr(layer.rope), layer.window, 0,
     )  # fmt: skip
 
 
@@ -68,6 +69,8 @@ def _kernel_limits(decoder: NativeDecoder) -> str | None:
     layer = decoder.layers[0]
     if layer.k_cache.numel() == 0:
         return "the KV cache is not bound"
+    if decoder.options.activation not in ACTIVATION_CODES:
+        return f"the step has no activation {decoder.options.activation!r}"
     return decode_step_limits(
         decoder.head_dim,
         decoder.num_heads,
@@ -90,14 +93,19 @@ class NativeDecodeStep:
         self.vocab_size = decoder.vocab_size
         self.block_size = k_cache.shape[1]
         self.num_blocks = k_cache.shape[0]
-        self.max_context = min(max_context, decoder.rope.shape[0])
+        tables = [decoder.rope] + [each.rope for each in decoder.layers if each.rope is not None]
+        self.max_context = min(max_context, *(table.shape[0] for table in tables))
         self._returns_logits = lm_head is not None
+        options = decoder.options
+        # the soft-cap of a native lm_head's logits is the step's; else `compute_logits` caps
+        softcap = options.final_logit_softcap if lm_head is not None else None
         self._struct = NlsModel(
             decoder.hidden_size, decoder.intermediate_size, decoder.num_heads,
             decoder.num_kv_heads, decoder.head_dim, len(decoder.layers), decoder.vocab_size,
             self.block_size, 0 if lm_head is None else lm_head.kind,
             self.max_context, self.num_blocks, KV_DTYPE_CODES[k_cache.dtype], decoder.embed_kind,
-            decoder.rms_norm_eps, decoder.attn_scale,
+            ACTIVATION_CODES[options.activation],
+            decoder.rms_norm_eps, decoder.attn_scale, options.embed_scale, softcap or 0.0,
             _ptr(decoder.embed), _ptr(decoder.final_norm), _ptr(decoder.rope),
             _ptr(None if lm_head is None else lm_head.tiles),
             ctypes.cast(self._layers, ctypes.c_void_p),

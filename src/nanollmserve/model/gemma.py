@@ -6,9 +6,9 @@ attention and MLP outputs normalized before their residual adds), five sliding-w
 to one global layer (`layer_types`) with their two RoPE bases (local 10000, global 1e6 with
 its scaling), the attention scale `query_pre_attn_scalar ** -0.5`, tied embeddings (as the
 config says) and the final logit soft-cap where the config has one. Every one of them is a
-`DecoderOptions` field: the native step refuses those it does not implement
-(`native/supported.py`) and the model then runs this PyTorch forward, its projections in GGUF
-blocks for a GGUF file.
+`DecoderOptions` field, and the native step implements them all (`native/supported.py`):
+a GGUF file's steps run as `nls_decode_step`, the rest in this PyTorch forward, its
+projections in GGUF blocks.
 
 The HF checkpoint's names are ours: `pre_feedforward_layernorm` and
 `post_feedforward_layernorm` beside Llama's two norms; q/k/v and gate/up packed as for Llama.

@@ -255,17 +255,28 @@ class LlamaForCausalLM(nn.Module):
                 raise NotNativeError(
                     f"layer {i}'s projections are {names}, not all GGUF blocks (GGUFLinear)"
                 )
+            sandwich, sliding = layer.sandwich_norms, layer.sliding
+            local_rope = decoder.rotary_emb_local if sliding else None
             layers.append(
                 NativeLayer(
                     *projections,
                     input_norm=folded(layer.input_layernorm),
-                    post_norm=folded(layer.post_attention_layernorm),
+                    # with sandwich norms `post_attention_layernorm` is the attention output's
+                    post_norm=folded(
+                        layer.pre_feedforward_layernorm
+                        if sandwich
+                        else layer.post_attention_layernorm
+                    ),
                     q_norm=folded(attn.q_norm) if attn.qk_norm else None,
                     k_norm=folded(attn.k_norm) if attn.qk_norm else None,
                     k_cache=attn.attn.k_cache,
                     v_cache=attn.attn.v_cache,
                     k_scale=attn.attn.k_scale,
                     v_scale=attn.attn.v_scale,
+                    attn_out_norm=folded(layer.post_attention_layernorm) if sandwich else None,
+                    mlp_out_norm=folded(layer.post_feedforward_layernorm) if sandwich else None,
+                    rope=None if local_rope is None else local_rope.cos_sin_cache,
+                    window=attn.attn.sliding_window or 0,
                 )
             )
         attention = decoder.layers[0].self_attn

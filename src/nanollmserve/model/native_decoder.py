@@ -10,11 +10,14 @@ forward. Which options the native step implements is its own statement
 (`native.supported.SUPPORTED`): a declared option outside it is refused at load, by name.
 
 The options the native step runs, each with its parity test (tests/test_decoder_options.py,
-tests/test_native_decode.py): q/k/v and o biases (Llama `attention_bias`, Qwen2), MLP biases
-(`mlp_bias`), q/k RMSNorm per head (Qwen3), a tied or untied output projection (in GGUF
-blocks, or left to `compute_logits`), any rotary scaling (baked into the cos/sin table), a
-norm offset (Gemma's 1 + w, folded into the declared norm scales) and a query scale other than
-head_dim's (`attn_scale` is the attention's own). Gemma 3's other options are refused.
+tests/test_native_decode.py, tests/test_gemma3.py): q/k/v and o biases (Llama
+`attention_bias`, Qwen2), MLP biases (`mlp_bias`), q/k RMSNorm per head (Qwen3), a tied or
+untied output projection (in GGUF blocks, or left to `compute_logits`), any rotary scaling
+(baked into the cos/sin table), a norm offset (Gemma's 1 + w, folded into the declared norm
+scales), a query scale other than head_dim's (`attn_scale` is the attention's own), and Gemma
+3's: GeGLU (`activation`), the embedding scale, the sandwich norms (`NativeLayer.attn_out_norm`
+/ `mlp_out_norm`), the sliding layers' window and RoPE table (`NativeLayer.window` / `rope`)
+and the final logit soft-cap (in the step after a native lm_head, else in `compute_logits`).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ class NotNativeError(Exception):
 
 @dataclass(frozen=True)
 class NativeLayer:
-    """One decoder layer: RMSNorm, fused q/k/v (+ bias), per-head q/k norm, RoPE, attention
-    over the paged cache, o (+ bias), residual, RMSNorm, gate/up (+ bias), SiLU-and-mul, down
-    (+ bias), residual. The biases are the projections' own (`GGUFLinear.bias`)."""
+    """One decoder layer: RMSNorm, fused q/k/v (+ bias), per-head q/k norm, RoPE (the layer's
+    own table or the decoder's), attention over the paged cache (all of it, or the last
+    `window` keys), o (+ bias) (RMSNorm'd with sandwich norms), residual, RMSNorm, gate/up (+
+    bias), SiLU- or tanh-GELU-and-mul (`options.activation`), down (+ bias) (RMSNorm'd with
+    sandwich norms), residual. The biases are the projections' own (`GGUFLinear.bias`)."""
 
     qkv: GGUFLinear
     o: GGUFLinear
@@ -53,6 +58,16 @@ class NativeLayer:
     k_scale: torch.Tensor | None = None
     """An int8 cache's float32 scales [blocks, block_size, kv_heads]; else None."""
     v_scale: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    """Sandwich norms (Gemma): the scale of the norm of the attention output before its
+    residual add, [hidden]; None without them. `post_norm` is then the norm before the MLP."""
+    mlp_out_norm: torch.Tensor | None = None
+    """Sandwich norms: the scale of the norm of the MLP output before its residual add."""
+    rope: torch.Tensor | None = None
+    """This layer's own cos/sin table (a sliding layer's base, `local_rope_theta`), or None:
+    the decoder's."""
+    window: int = 0
+    """0: full attention; else the sliding window (`DecoderOptions.sliding_window`)."""
 
 
 @dataclass(frozen=True)

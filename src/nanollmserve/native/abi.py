@@ -64,6 +64,10 @@ NLS_KV_F32 = 0
 NLS_KV_INT8 = 1
 NLS_KV_F16 = 2
 """The KV cache element types the attention reads (`nls_model.kv_dtype`)."""
+NLS_ACT_SILU = 0
+NLS_ACT_GELU_TANH = 1
+ACTIVATION_CODES = {"silu": NLS_ACT_SILU, "gelu_tanh": NLS_ACT_GELU_TANH}
+"""`DecoderOptions.activation` -> the step's gated activation (`nls_model.activation`)."""
 
 
 class NlsLayer(ctypes.Structure):
@@ -79,6 +83,9 @@ class NlsLayer(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm")),
         *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "k_cache", "v_cache")),
         *((name, ctypes.c_void_p) for name in ("k_scale", "v_scale")),
+        *((name, ctypes.c_void_p) for name in ("attn_out_norm", "mlp_out_norm", "rope")),
+        ("window", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -102,10 +109,10 @@ class NlsModel(ctypes.Structure):
                 "num_blocks",
                 "kv_dtype",
                 "embed_kind",
+                "activation",
             )
         ),  # fmt: skip
-        ("eps", ctypes.c_float),
-        ("attn_scale", ctypes.c_float),
+        *((name, ctypes.c_float) for name in ("eps", "attn_scale", "embed_scale", "logit_softcap")),
         *((name, ctypes.c_void_p) for name in ("embed", "final_norm", "rope", "lm_head", "layers")),
     ]
 
@@ -145,6 +152,8 @@ def expected_abi() -> dict[str, int]:
         "NLS_KV_F32": NLS_KV_F32,
         "NLS_KV_INT8": NLS_KV_INT8,
         "NLS_KV_F16": NLS_KV_F16,
+        "NLS_ACT_SILU": NLS_ACT_SILU,
+        "NLS_ACT_GELU_TANH": NLS_ACT_GELU_TANH,
         **{name: globals()[name] for name in STATUS_NAMES},
     }
     for c_name, structure in (("nls_layer", NlsLayer), ("nls_model", NlsModel)):

@@ -7,7 +7,10 @@
  * query heads at a time (`nls_attend_group` inside `nls_paged_decode_attention`). An int8 row
  * is dequantized in registers (8 codes widened to floats, times the row's scale), a float16
  * row converted in registers (F16C), never copied out as floats. Each loop takes the cache's
- * type `kind` as a constant: the compiler makes one copy of it per type. */
+ * type `kind` as a constant: the compiler makes one copy of it per type. The decode step's
+ * kernels take a `window` (a sliding layer: a row at position p sees keys p - window + 1 ..
+ * p): keys before a row's window weigh exactly 0, and those before every row's window of a
+ * pass are not read; 0 is full attention, the same arithmetic as without the argument. */
 
 #include <string.h>
 
@@ -61,14 +64,15 @@ static inline __m256 scores8(const float *q, const float *const keys[8], __m256 
  * registers; -> part rows r0.. as the vector loop below writes them. */
 static inline __attribute__((always_inline)) void weighted_values_512(const nls_kv_cache *kv, int kvh, int g, int hd,
                                                                       int bs, const int64_t *block_table, int64_t k0,
-                                                                      int64_t last, const float *scores, int64_t width,
+                                                                      int64_t first, int64_t last, const float *scores,
+                                                                      int64_t width,
                                                                       int nr, float *part, const int kind) {
     for (int d0 = 0; d0 < hd; d0 += 64) {
         __m512 acc[ATTEND_ROWS][4];
         for (int x = 0; x < ATTEND_ROWS; x++)
             for (int j = 0; j < 4; j++) acc[x][j] = _mm512_setzero_ps();
-        int64_t block = k0 / bs, offset = k0 % bs;
-        for (int64_t t = k0; t < last; t++) {
+        int64_t block = first / bs, offset = first % bs;
+        for (int64_t t = first; t < last; t++) {
             const int64_t row = (block_table[block] * bs + offset) * kvh + g;
             if (++offset == bs) offset = 0, block++;
             __m512 v[4];
@@ -113,7 +117,8 @@ static inline float largest_of(const float *row, int64_t n) {
 /* Query rows of one sequence over KV head `g`: the `group` query heads of each of `n`
  * consecutive tokens at positions p0 .. p0 + n - 1 (a decode token alone, n = 1, or a
  * speculative verify span), row i * group + j at q + i * q_stride + j * hd, over the keys
- * [k0, k1) each row sees (token i's keys are those < p0 + i + 1). -> `part`, hd + 2 floats per
+ * [k0, k1) each row sees (token i's keys are those < p0 + i + 1, and with a `window` those
+ * >= p0 + i + 1 - window). -> `part`, hd + 2 floats per
  * row: the largest score (-inf for a row that sees none of these keys), the sum of
  * exp(score - largest) and the values weighted by those exponentials, not yet divided by the
  * sum (`nls_merge_chunks` joins a row's chunks). Up to ATTEND_ROWS rows at a time: the scores
@@ -126,8 +131,8 @@ static inline float largest_of(const float *row, int64_t n) {
 static inline __attribute__((always_inline)) void attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv,
                                                                int kvh, int g, int group, int hd, int bs, float scale,
                                                                const int64_t *block_table, int64_t p0, int n,
-                                                               int64_t k0, int64_t k1, float *scores, float *part,
-                                                               const int kind) {
+                                                               int64_t k0, int64_t k1, int64_t window, float *scores,
+                                                               float *part, const int kind) {
     static const float zero_key[MAX_HEAD_DIM];
     float key_floats[8 * MAX_HEAD_DIM]; /* 8 int8 or float16 keys as floats */
     const int rows = n * group;
@@ -135,18 +140,22 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
     for (int r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
         const int nr = rows - r0 < ATTEND_ROWS ? rows - r0 : ATTEND_ROWS;
         const float *qr[ATTEND_ROWS];
-        int64_t end[ATTEND_ROWS];
+        int64_t end[ATTEND_ROWS], begin[ATTEND_ROWS];
         for (int x = 0; x < nr; x++) {
             const int r = r0 + x;
             const int64_t own = p0 + r / group + 1;
             qr[x] = q + (r / group) * q_stride + (int64_t)(r % group) * hd;
             end[x] = own < k1 ? own : k1; /* rows in token order: end never decreases */
+            /* a sliding layer's row sees keys from own - window on: neither does begin decrease */
+            begin[x] = window && own - window > k0 ? own - window : k0;
         }
         const int64_t last = end[nr - 1];
+        /* the keys no row of the pass sees (out of every row's window) are skipped, 8 at a time */
+        const int64_t first = k0 + (begin[0] < last ? begin[0] - k0 : last - k0) / 8 * 8;
         /* key t's cache row: (block_table[t / bs] * bs + t % bs) * kvh + g, stepped without a
          * division per key */
-        int64_t block = k0 / bs, offset = k0 % bs;
-        for (int64_t t0 = k0; t0 < last; t0 += 8) {
+        int64_t block = first / bs, offset = first % bs;
+        for (int64_t t0 = first; t0 < last; t0 += 8) {
             const float *keys[8];
             float key_scale[8];
             for (int c = 0; c < 8; c++) {
@@ -177,32 +186,37 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
         for (int x = 0; x < nr; x++) {
             float *row = scores + x * width;
             const int64_t count = end[x] - k0, seen = last - k0;
-            largest[x] = largest_of(row, count);
+            /* keys before the row's window (a sliding layer) weigh 0, like those past its own */
+            const int64_t skip = begin[x] - k0 < count ? begin[x] - k0 : (count > 0 ? count : 0);
+            for (int64_t t = first - k0; t < skip; t++) row[t] = 0.0f;
+            row += skip;
+            largest[x] = largest_of(row, count - skip);
             __m256 sum8 = _mm256_setzero_ps();
             const __m256 mx = _mm256_set1_ps(largest[x]);
             int64_t t = 0;
-            for (; t + 8 <= count; t += 8) {
+            for (; t + 8 <= count - skip; t += 8) {
                 const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), mx));
                 _mm256_storeu_ps(row + t, e);
                 sum8 = _mm256_add_ps(sum8, e);
             }
             sum[x] = hsum_ps(sum8);
-            for (; t < count; t++) {
+            for (; t < count - skip; t++) {
                 row[t] = expf(row[t] - largest[x]);
                 sum[x] += row[t];
             }
-            for (t = count > 0 ? count : 0; t < seen; t++) row[t] = 0.0f; /* keys past the row's own */
+            for (t = count > 0 ? count - skip : 0; t < seen - skip; t++) row[t] = 0.0f; /* keys past the row's own */
         }
 #if defined(__AVX512F__)
         if (hd % 64 == 0)
-            weighted_values_512(kv, kvh, g, hd, bs, block_table, k0, last, scores, width, nr, part + (int64_t)r0 * (hd + 2), kind);
+            weighted_values_512(kv, kvh, g, hd, bs, block_table, k0, first, last, scores, width, nr,
+                                part + (int64_t)r0 * (hd + 2), kind);
         else
 #endif
         for (int d0 = 0; d0 < hd; d0 += 16) {
             const int pair = hd - d0 >= 16;
             SIX_ROWS(ZERO_ROW)
-            block = k0 / bs, offset = k0 % bs;
-            for (int64_t t = k0; t < last; t++) {
+            block = first / bs, offset = first % bs;
+            for (int64_t t = first; t < last; t++) {
                 const int64_t row = (block_table[block] * bs + offset) * kvh + g;
                 if (++offset == bs) offset = 0, block++;
                 __m256 v0, v1 = _mm256_setzero_ps();
@@ -245,13 +259,16 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, i
 
 void nls_attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
                       int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t k0, int64_t k1,
-                      float *scores, float *part) {
+                      int64_t window, float *scores, float *part) {
     if (kv->dtype == NLS_KV_INT8)
-        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, NLS_KV_INT8);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, window, scores, part,
+                     NLS_KV_INT8);
     else if (kv->dtype == NLS_KV_F16)
-        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, NLS_KV_F16);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, window, scores, part,
+                     NLS_KV_F16);
     else
-        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, scores, part, NLS_KV_F32);
+        attend_chunk(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, k0, k1, window, scores, part,
+                     NLS_KV_F32);
 }
 
 /* One query row's output from its partials over `chunks` chunks (`nls_attend_chunk`'s, hd + 2
@@ -285,7 +302,7 @@ void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, in
     const int64_t stride = (int64_t)group * (hd + 2);
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t k1 = (c + 1) * keys < ctx ? (c + 1) * keys : ctx;
-        nls_attend_chunk(q, 0, kv, kvh, g, group, hd, bs, scale, block_table, ctx - 1, 1, c * keys, k1, scratch,
+        nls_attend_chunk(q, 0, kv, kvh, g, group, hd, bs, scale, block_table, ctx - 1, 1, c * keys, k1, 0, scratch,
                          part + c * stride);
     }
     for (int j = 0; j < group; j++)
@@ -298,7 +315,7 @@ void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, in
  * speculative verify span) over KV head `g`: their `group` query heads each are a row, n *
  * group rows in all (query row i * group + j is token i's head j, at q + i * q_stride + j *
  * hd; its output at out + i * out_stride + j * hd), and row i sees keys < p0 + i + 1
- * (causal). The products run as small matrix products, which a per-token loop cannot: 8 keys
+ * (causal), and with a `window` only those from p0 + i + 1 - window on. The products run as small matrix products, which a per-token loop cannot: 8 keys
  * at a time are transposed (an int8 or float16 row widened to floats) into `kt` [hd][8], and 8 rows at a time
  * take their 8 scores as one vector (8 accumulators, no horizontal sum per key); the values
  * are weighted for 6 rows at a time, 16 of their dimensions per pass, each value row read
@@ -307,17 +324,20 @@ void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, in
 static inline __attribute__((always_inline)) void attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv,
                                                               int kvh, int g, int group, int hd, int bs, float scale,
                                                               const int64_t *block_table, int64_t p0, int n,
-                                                              float *scores, float *kt, float *out, int64_t out_stride,
-                                                              const int kind) {
+                                                              int64_t window, float *scores, float *kt, float *out,
+                                                              int64_t out_stride, const int kind) {
     const int rows = n * group, padded_rows = (rows + 7) / 8 * 8;
     const int64_t ctx = p0 + n, width = (ctx + 7) / 8 * 8;
+    /* A sliding layer's row sees keys from own - window on; the keys before the first row's
+     * window are skipped, 8 at a time (their weights are 0 for every row). */
+    const int64_t first = window && p0 + 1 - window > 0 ? (p0 + 1 - window) / 8 * 8 : 0;
     const float *qr[SPAN_TILE_ROWS_MAX];
     for (int r = 0; r < padded_rows; r++) {
         const int row = r < rows ? r : 0; /* padding rows repeat row 0; their scores are unused */
         qr[r] = q + (row / group) * q_stride + (int64_t)(row % group) * hd;
     }
     /* scores: 8 keys x 8 rows per pass */
-    for (int64_t k0 = 0; k0 < ctx; k0 += 8) {
+    for (int64_t k0 = first; k0 < ctx; k0 += 8) {
         const int keys = ctx - k0 < 8 ? (int)(ctx - k0) : 8;
         for (int c = 0; c < 8; c++) {
             if (c >= keys) {
@@ -351,35 +371,38 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
      * scale is folded into its weight after the sum */
     float inv_sum[SPAN_TILE_ROWS_MAX];
     for (int r = 0; r < rows; r++) {
-        float *row = scores + (int64_t)r * width;
-        const int64_t own = p0 + r / group + 1;
-        const float mx = largest_of(row, own);
+        const int64_t own = p0 + r / group + 1, begin = window && own - window > 0 ? own - window : 0;
+        for (int64_t u = first; u < begin; u++) scores[(int64_t)r * width + u] = 0.0f; /* out of the window */
+        float *row = scores + (int64_t)r * width + begin; /* from the row's first key */
+        const float mx = largest_of(row, own - begin);
         const __m256 mx8 = _mm256_set1_ps(mx);
         __m256 sum8 = _mm256_setzero_ps();
         int64_t t = 0;
-        for (; t + 8 <= own; t += 8) {
+        for (; t + 8 <= own - begin; t += 8) {
             const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), mx8));
             _mm256_storeu_ps(row + t, e);
             sum8 = _mm256_add_ps(sum8, e);
         }
         float sum = hsum_ps(sum8);
-        for (; t < own; t++) {
+        for (; t < own - begin; t++) {
             row[t] = expf(row[t] - mx);
             sum += row[t];
         }
-        for (; t < width; t++) row[t] = 0.0f;
+        for (; t < width - begin; t++) row[t] = 0.0f;
         inv_sum[r] = 1.0f / sum;
         if (kind == NLS_KV_INT8)
-            for (int64_t u = 0; u < own; u++)
-                row[u] *= kv->v_scale[(block_table[u / bs] * bs + u % bs) * kvh + g];
+            for (int64_t u = begin; u < own; u++)
+                row[u - begin] *= kv->v_scale[(block_table[u / bs] * bs + u % bs) * kvh + g];
     }
     /* the weighted values: 6 rows x 16 dimensions per pass */
     for (int r0 = 0; r0 < rows; r0 += 6) {
         const int rr = rows - r0 < 6 ? rows - r0 : 6;
         const int64_t last = p0 + (r0 + rr - 1) / group + 1; /* the keys the pass's last row sees */
+        const int64_t own0 = p0 + r0 / group + 1; /* and the pass's first row's window */
+        const int64_t begin0 = window && own0 - window > 0 ? own0 - window : 0;
         for (int d0 = 0; d0 < hd; d0 += 16) {
             SIX_ROWS(ZERO_ROW)
-            for (int64_t t = 0; t < last; t++) {
+            for (int64_t t = begin0; t < last; t++) {
                 const int64_t row = (block_table[t / bs] * bs + t % bs) * kvh + g;
                 __m256 v0, v1;
                 if (kind == NLS_KV_INT8) {
@@ -417,14 +440,17 @@ static inline __attribute__((always_inline)) void attend_span(const float *q, in
 }
 
 void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
-                     int bs, float scale, const int64_t *block_table, int64_t p0, int n, float *scores, float *kt,
-                     float *out, int64_t out_stride) {
+                     int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t window,
+                     float *scores, float *kt, float *out, int64_t out_stride) {
     if (kv->dtype == NLS_KV_INT8)
-        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, NLS_KV_INT8);
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, window, scores, kt, out,
+                    out_stride, NLS_KV_INT8);
     else if (kv->dtype == NLS_KV_F16)
-        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, NLS_KV_F16);
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, window, scores, kt, out,
+                    out_stride, NLS_KV_F16);
     else
-        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, scores, kt, out, out_stride, NLS_KV_F32);
+        attend_span(q, q_stride, kv, kvh, g, group, hd, bs, scale, block_table, p0, n, window, scores, kt, out,
+                    out_stride, NLS_KV_F32);
 }
 
 /* ------------------------------------------------ public: attention of decode tokens -- */

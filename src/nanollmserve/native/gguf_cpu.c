@@ -17,6 +17,8 @@
  *    write into the paged cache (float32, or int8 codes and a scale per token and KV head,
  *    quantized as they are written), causal attention over the sequence's blocks, the output
  *    projection, the gated MLP (biases where the model has them), the final norm and the output projection to the vocabulary.
+ *    Gemma 3's options too: GeGLU, the embedding scale, the sandwich norms, a sliding window
+ *    and a cos/sin table per layer, and the final logit soft-cap.
  *    The T rows go through each matrix together (a tile's weights decoded once for all of
  *    them). PyTorch runs the same step as ~1000 operator calls, whose dispatch alone costs
  *    more than the arithmetic at a few tokens.
@@ -561,6 +563,25 @@ static void silu_and_mul(const float *gate_up, int n, float *out) {
     for (; i < n; i++) out[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[n + i];
 }
 
+/* GeGLU: gelu_tanh(gate) * up, gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x +
+ * 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) is
+ * sigmoid(2u)), PyTorch's `gelu(approximate="tanh")`. */
+static void gelu_tanh_and_mul(const float *gate_up, int n, float *out) {
+    const float k2 = -2.0f * 0.7978845608028654f, c = 0.044715f;
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), vk2 = _mm256_set1_ps(k2), vc = _mm256_set1_ps(c);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate_up + i), u = _mm256_loadu_ps(gate_up + n + i);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(vc, g), _mm256_mul_ps(g, g), g); /* x + c x^3 */
+        const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, exp256_ps(_mm256_mul_ps(vk2, inner))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, u));
+    }
+    for (; i < n; i++) {
+        const float g = gate_up[i];
+        out[i] = g / (1.0f + expf(k2 * (g + c * g * g * g))) * gate_up[n + i];
+    }
+}
+
 /* One token's K or V row of one KV head (`hd` floats) -> int8 codes and its scale, x ~= scale
  * code: scale = max |x| / 127, codes rounded to nearest (ties to even), the bytes the PyTorch
  * path (layers/kv_quant.py) writes for the same row. */
@@ -775,6 +796,10 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
     if (m->kv_dtype != NLS_KV_F32 && m->kv_dtype != NLS_KV_F16 && m->kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
     if ((m->embed_kind != 0 && m->embed_kind != KIND_Q8) || (m->embed_kind == KIND_Q8 && m->hidden % QK))
         return NLS_BAD_SHAPE;
+    if (m->activation != NLS_ACT_SILU && m->activation != NLS_ACT_GELU_TANH) return NLS_BAD_SHAPE;
+    for (int l = 0; l < m->num_layers; l++)
+        if (m->layers[l].window < 0 || (m->layers[l].attn_out_norm == NULL) != (m->layers[l].mlp_out_norm == NULL))
+            return NLS_BAD_SHAPE;
     for (int l = 0; l < m->num_layers && m->kv_dtype == NLS_KV_INT8; l++)
         if (m->layers[l].k_scale == NULL || m->layers[l].v_scale == NULL) return NLS_BAD_SHAPE;
     for (int64_t t = 0; t < T; t++) {
@@ -805,7 +830,11 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
     double mark = profiling ? omp_get_wtime() : 0.0;
     const int64_t num_units = attend_units(m, positions, seq_of_token, T, units);
     const int64_t num_items = units[num_units].first_item;
-    for (int64_t t = 0; t < T; t++) embed_row(m, tokens[t], h + t * H);
+    for (int64_t t = 0; t < T; t++) {
+        embed_row(m, tokens[t], h + t * H);
+        if (m->embed_scale != 1.0f) /* Gemma's sqrt(hidden), after the lookup as PyTorch does */
+            for (int i = 0; i < H; i++) h[t * H + i] *= m->embed_scale;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         float *own = (float *)(per_thread + (int64_t)omp_get_thread_num() * thread_scratch_bytes(m, T));
@@ -813,6 +842,8 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
         for (int l = 0; l < m->num_layers; l++) {
             const nls_layer *L = &m->layers[l];
             const nls_kv_cache kv = {L->k_cache, L->v_cache, L->k_scale, L->v_scale, m->kv_dtype};
+            const float *rope = L->rope ? L->rope : m->rope; /* a sliding layer's own base (Gemma 3) */
+            const int64_t window = L->window;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) norm_and_quantize(h, L->input_norm, t, H, m->eps, xn, xq, dx, sx);
             PHASE(PHASE_OTHER);
@@ -822,7 +853,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             for (int64_t t = 0; t < T; t++) {
                 float *q = qkv + t * qkv_size, *k = q + q_size, *v = k + kv_size;
                 const int64_t p = positions[t];
-                const float *cos_sin = m->rope + p * hd;
+                const float *cos_sin = rope + p * hd;
                 if (L->qkv_bias)
                     for (int i = 0; i < qkv_size; i++) q[i] += L->qkv_bias[i];
                 for (int head = 0; head < nh + kvh; head++) {
@@ -851,8 +882,8 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                 if (u->chunks == 0) {
                     const int64_t head = (int64_t)k * group * hd;
                     nls_attend_span(qkv + t * qkv_size + head, qkv_size, &kv, kvh, (int)k, group, hd, m->block_size,
-                                    m->attn_scale, table, positions[t], u->tokens, scores, kt, attn + t * q_size + head,
-                                    q_size);
+                                    m->attn_scale, table, positions[t], u->tokens, window, scores, kt,
+                                    attn + t * q_size + head, q_size);
                     continue;
                 }
                 /* a chunk of keys for every KV head: each token's K/V row of all heads is one
@@ -860,11 +891,13 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                 const int64_t rows = (int64_t)u->tokens * group;
                 const int64_t keys = attend_chunk_keys(positions[t] + 1), ctx = positions[t] + u->tokens;
                 const int64_t k1 = (k + 1) * keys < ctx ? (k + 1) * keys : ctx;
-                prefetch_keys(m, L, table, k * keys, k1);
+                /* a sliding layer's keys before the unit's first window are not read */
+                const int64_t k0 = window && positions[t] + 1 - window > k * keys ? positions[t] + 1 - window : k * keys;
+                prefetch_keys(m, L, table, k0, k1);
                 for (int g = 0; g < kvh; g++)
                     nls_attend_chunk(qkv + t * qkv_size + (int64_t)g * group * hd, qkv_size, &kv, kvh, g, group, hd,
-                                     m->block_size, m->attn_scale, table, positions[t], u->tokens, k * keys, k1, scores,
-                                     parts + u->part + (g * u->chunks + k) * rows * (hd + 2));
+                                     m->block_size, m->attn_scale, table, positions[t], u->tokens, k * keys, k1, window,
+                                     scores, parts + u->part + (g * u->chunks + k) * rows * (hd + 2));
             }
             /* each chunked row's partials -> its output */
 #pragma omp for schedule(static)
@@ -887,9 +920,15 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             PHASE(PHASE_O);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                float *ht = h + t * H;
-                const float *pt = proj + t * H;
-                for (int i = 0; i < H; i++) ht[i] += pt[i] + (L->o_bias ? L->o_bias[i] : 0.0f);
+                float *ht = h + t * H, *pt = proj + t * H;
+                if (L->attn_out_norm) { /* sandwich: the attention output normalized, then added */
+                    if (L->o_bias)
+                        for (int i = 0; i < H; i++) pt[i] += L->o_bias[i];
+                    rms_norm(pt, L->attn_out_norm, H, m->eps, pt);
+                    for (int i = 0; i < H; i++) ht[i] += pt[i];
+                } else {
+                    for (int i = 0; i < H; i++) ht[i] += pt[i] + (L->o_bias ? L->o_bias[i] : 0.0f);
+                }
                 norm_and_quantize(h, L->post_norm, t, H, m->eps, xn, xq, dx, sx);
             }
             PHASE(PHASE_OTHER);
@@ -899,7 +938,8 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             for (int64_t t = 0; t < T; t++) {
                 if (L->gate_up_bias)
                     for (int i = 0; i < 2 * I; i++) gate_up[t * 2 * I + i] += L->gate_up_bias[i];
-                silu_and_mul(gate_up + t * 2 * I, I, act + t * I);
+                if (m->activation == NLS_ACT_GELU_TANH) gelu_tanh_and_mul(gate_up + t * 2 * I, I, act + t * I);
+                else silu_and_mul(gate_up + t * 2 * I, I, act + t * I);
                 quantize_row(act + t * I, I, xq + t * I, dx + t * (I / QK), sx + t * (I / QK));
             }
             PHASE(PHASE_OTHER);
@@ -907,7 +947,13 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             PHASE(PHASE_DOWN);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-                if (L->down_bias)
+                if (L->mlp_out_norm) { /* sandwich: the MLP output normalized, then added */
+                    float *pt = proj + t * H;
+                    if (L->down_bias)
+                        for (int i = 0; i < H; i++) pt[i] += L->down_bias[i];
+                    rms_norm(pt, L->mlp_out_norm, H, m->eps, pt);
+                    for (int i = 0; i < H; i++) h[t * H + i] += pt[i];
+                } else if (L->down_bias)
                     for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i] + L->down_bias[i];
                 else
                     for (int i = 0; i < H; i++) h[t * H + i] += proj[t * H + i];
@@ -923,6 +969,11 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
         PHASE(PHASE_OTHER);
         if (m->lm_head_kind && num_logits > 0)
             matmul_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, num_logits, acc, out, amx);
+        if (m->lm_head_kind && m->logit_softcap > 0.0f) { /* cap * tanh(logits / cap) (Gemma 2) */
+            const float cap = m->logit_softcap;
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < num_logits * (int64_t)m->vocab; i++) out[i] = cap * tanhf(out[i] / cap);
+        }
         PHASE(PHASE_LM_HEAD); /* after the product's barrier */
     }
     return 0;
@@ -951,7 +1002,7 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
         ABI_CONSTANT(MAX_HEAD_DIM), ABI_CONSTANT(NLS_PHASES),
         ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),
         ABI_CONSTANT(NLS_BAD_BLOCK), ABI_CONSTANT(NLS_BAD_SHAPE), ABI_CONSTANT(NLS_KV_F32), ABI_CONSTANT(NLS_KV_INT8),
-        ABI_CONSTANT(NLS_KV_F16),
+        ABI_CONSTANT(NLS_KV_F16), ABI_CONSTANT(NLS_ACT_SILU), ABI_CONSTANT(NLS_ACT_GELU_TANH),
         {"sizeof(nls_layer)", (int64_t)sizeof(nls_layer)},
         ABI_OFFSET(nls_layer, qkv_kind), ABI_OFFSET(nls_layer, o_kind), ABI_OFFSET(nls_layer, gate_up_kind),
         ABI_OFFSET(nls_layer, down_kind), ABI_OFFSET(nls_layer, qkv), ABI_OFFSET(nls_layer, o),
@@ -960,13 +1011,15 @@ int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
         ABI_OFFSET(nls_layer, input_norm), ABI_OFFSET(nls_layer, post_norm),
         ABI_OFFSET(nls_layer, q_norm), ABI_OFFSET(nls_layer, k_norm), ABI_OFFSET(nls_layer, k_cache),
         ABI_OFFSET(nls_layer, v_cache), ABI_OFFSET(nls_layer, k_scale), ABI_OFFSET(nls_layer, v_scale),
+        ABI_OFFSET(nls_layer, attn_out_norm), ABI_OFFSET(nls_layer, mlp_out_norm), ABI_OFFSET(nls_layer, rope),
+        ABI_OFFSET(nls_layer, window), ABI_OFFSET(nls_layer, reserved),
         {"sizeof(nls_model)", (int64_t)sizeof(nls_model)},
         ABI_OFFSET(nls_model, hidden), ABI_OFFSET(nls_model, intermediate), ABI_OFFSET(nls_model, num_heads),
         ABI_OFFSET(nls_model, num_kv_heads), ABI_OFFSET(nls_model, head_dim), ABI_OFFSET(nls_model, num_layers),
         ABI_OFFSET(nls_model, vocab), ABI_OFFSET(nls_model, block_size), ABI_OFFSET(nls_model, lm_head_kind),
         ABI_OFFSET(nls_model, max_context), ABI_OFFSET(nls_model, num_blocks), ABI_OFFSET(nls_model, kv_dtype),
-        ABI_OFFSET(nls_model, embed_kind), ABI_OFFSET(nls_model, eps),
-        ABI_OFFSET(nls_model, attn_scale), ABI_OFFSET(nls_model, embed), ABI_OFFSET(nls_model, final_norm),
+        ABI_OFFSET(nls_model, embed_kind), ABI_OFFSET(nls_model, activation), ABI_OFFSET(nls_model, eps),
+        ABI_OFFSET(nls_model, attn_scale), ABI_OFFSET(nls_model, embed_scale), ABI_OFFSET(nls_model, logit_softcap), ABI_OFFSET(nls_model, embed), ABI_OFFSET(nls_model, final_norm),
         ABI_OFFSET(nls_model, rope), ABI_OFFSET(nls_model, lm_head), ABI_OFFSET(nls_model, layers),
     };
     const int64_t count = (int64_t)(sizeof entries / sizeof entries[0]);

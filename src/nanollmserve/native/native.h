@@ -69,6 +69,11 @@ void nls_amx_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, 
 #define NLS_KV_INT8 1
 #define NLS_KV_F16 2
 
+/* The gated MLP's activations (`nls_model.activation`): SiLU (SwiGLU) and the tanh
+ * approximation of GELU (GeGLU, Gemma's `gelu_pytorch_tanh`). */
+#define NLS_ACT_SILU 0
+#define NLS_ACT_GELU_TANH 1
+
 static inline int64_t kv_element_bytes(int dtype) { return dtype == NLS_KV_F32 ? 4 : dtype == NLS_KV_F16 ? 2 : 1; }
 
 /* ------------------------------------------------------- the decode step's model -- */
@@ -86,6 +91,12 @@ typedef struct {
     const float *q_norm, *k_norm;                      /* [head_dim] (Qwen3) or NULL */
     void *k_cache, *v_cache;                           /* [blocks, block_size, kv_heads, head_dim] of kv_dtype */
     float *k_scale, *v_scale;                          /* int8: [blocks, block_size, kv_heads]; else NULL */
+    /* Gemma's sandwich norms: the attention output and the MLP output each normalized before
+     * its residual add ([hidden]), or NULL (then `post_norm` is the norm before the MLP either way) */
+    const float *attn_out_norm, *mlp_out_norm;
+    const float *rope; /* this layer's own cos/sin table (a sliding layer's base), or NULL: the model's */
+    int32_t window;    /* 0: full attention; else a query at p sees the keys p - window + 1 .. p */
+    int32_t reserved;  /* 0 (padding) */
 } nls_layer;
 
 typedef struct {
@@ -95,7 +106,10 @@ typedef struct {
     int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
     int32_t kv_dtype;     /* NLS_KV_F32, NLS_KV_F16 or NLS_KV_INT8 (native.h) */
     int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; KIND_Q8: tiled Q8 rows (lm_head's layout) */
+    int32_t activation;   /* the gated MLP's: NLS_ACT_SILU or NLS_ACT_GELU_TANH */
     float eps, attn_scale;
+    float embed_scale;    /* the looked-up embeddings are multiplied by it (Gemma: sqrt(hidden)); 1: none */
+    float logit_softcap;  /* 0: none; else the lm_head's logits become cap * tanh(logits / cap) */
     const void *embed;       /* the input embedding table, as `embed_kind` says */
     const float *final_norm; /* [hidden] */
     const float *rope;       /* [positions, head_dim]: cos of the half-dim frequencies, then sin */
@@ -116,14 +130,20 @@ NLS_ASSERT_OFFSET(nls_layer, input_norm, 16 + 8 * NLS_PTR);
 NLS_ASSERT_OFFSET(nls_layer, q_norm, 16 + 10 * NLS_PTR);
 NLS_ASSERT_OFFSET(nls_layer, k_cache, 16 + 12 * NLS_PTR);
 NLS_ASSERT_OFFSET(nls_layer, v_scale, 16 + 15 * NLS_PTR);
-_Static_assert(sizeof(nls_layer) == 16 + 16 * NLS_PTR, "nls_layer: update native/abi.py");
+NLS_ASSERT_OFFSET(nls_layer, attn_out_norm, 16 + 16 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, rope, 16 + 18 * NLS_PTR);
+NLS_ASSERT_OFFSET(nls_layer, window, 16 + 19 * NLS_PTR);
+_Static_assert(sizeof(nls_layer) == 24 + 19 * NLS_PTR, "nls_layer: update native/abi.py");
 NLS_ASSERT_OFFSET(nls_model, hidden, 0);
 NLS_ASSERT_OFFSET(nls_model, embed_kind, 12 * 4);
-NLS_ASSERT_OFFSET(nls_model, eps, 13 * 4);
-NLS_ASSERT_OFFSET(nls_model, attn_scale, 14 * 4);
-NLS_ASSERT_OFFSET(nls_model, embed, 64); /* 4 bytes of padding after attn_scale */
-NLS_ASSERT_OFFSET(nls_model, layers, 64 + 4 * NLS_PTR);
-_Static_assert(sizeof(nls_model) == 64 + 5 * NLS_PTR, "nls_model: update native/abi.py");
+NLS_ASSERT_OFFSET(nls_model, activation, 13 * 4);
+NLS_ASSERT_OFFSET(nls_model, eps, 14 * 4);
+NLS_ASSERT_OFFSET(nls_model, attn_scale, 15 * 4);
+NLS_ASSERT_OFFSET(nls_model, embed_scale, 16 * 4);
+NLS_ASSERT_OFFSET(nls_model, logit_softcap, 17 * 4);
+NLS_ASSERT_OFFSET(nls_model, embed, 72);
+NLS_ASSERT_OFFSET(nls_model, layers, 72 + 4 * NLS_PTR);
+_Static_assert(sizeof(nls_model) == 72 + 5 * NLS_PTR, "nls_model: update native/abi.py");
 /* a tile-block: 16 outputs' codes for 32 inputs, then their d (and, Q4, m) as halves */
 _Static_assert(TILE * QK / 2 + 2 * TILE * 2 == 320 && TILE * QK + TILE * 2 == 544, "tile-block bytes");
 
@@ -220,9 +240,10 @@ static inline int64_t attend_scratch_floats(int64_t max_context, int group) {
     return ATTEND_ROWS * attend_chunk_keys(max_context) + (int64_t)group * (MAX_HEAD_DIM + 2) * ATTEND_MAX_CHUNKS;
 }
 
+/* `window`: 0, or each row sees only its last `window` keys (a sliding layer). */
 void nls_attend_chunk(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
                       int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t k0, int64_t k1,
-                      float *scores, float *part);
+                      int64_t window, float *scores, float *part);
 void nls_merge_chunks(const float *part, int64_t part_stride, int chunks, int hd, float *out);
 void nls_attend_group(const float *q, const nls_kv_cache *kv, int kvh, int g, int group, int hd, int bs,
                       float scale, const int64_t *block_table, int64_t ctx, float *scratch, float *out);
@@ -247,7 +268,7 @@ static inline int span_tile_tokens(int group) {
 static inline int64_t span_scores_floats(int64_t max_context) { return SPAN_TILE_ROWS_MAX * (max_context + 8); }
 
 void nls_attend_span(const float *q, int64_t q_stride, const nls_kv_cache *kv, int kvh, int g, int group, int hd,
-                     int bs, float scale, const int64_t *block_table, int64_t p0, int n, float *scores, float *kt,
-                     float *out, int64_t out_stride);
+                     int bs, float scale, const int64_t *block_table, int64_t p0, int n, int64_t window,
+                     float *scores, float *kt, float *out, int64_t out_stride);
 
 #endif

@@ -24,6 +24,13 @@ SUPPORTED = frozenset(
         "rope_scaling",  # the model's cos/sin table, scaling baked in, is what the step reads
         "norm_offset",  # folded into the norm scales at declaration (`offset + w`, Gemma's 1 + w)
         "query_pre_attn_scalar",  # the step reads the attention's own scale (`attn_scale`)
+        "activation",  # SiLU or tanh-GELU and mul (`nls_model.activation`)
+        "embed_scale",  # the looked-up embeddings times it (`nls_model.embed_scale`)
+        "sandwich_norms",  # the attention and MLP outputs normed before their residual adds
+        "sliding_window",  # a sliding layer's attention reads its last `window` keys
+        "layer_types",  # which layers slide: each layer declares its own window
+        "local_rope_theta",  # a sliding layer's own cos/sin table (`nls_layer.rope`)
+        "final_logit_softcap",  # after a native lm_head in the step, else in compute_logits
     }
 )
 """Names of the `DecoderOptions` fields the native step runs at any value."""
