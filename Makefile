@@ -21,9 +21,10 @@ check:
 test:
 	M="$(M)" scripts/test
 
-# The long end-to-end tests (marked slow: soaks, clusters, benchmark-like runs, the HF
-# reference generations), kept out of `make test`'s ten minutes; CI runs them too. Selecting
-# none (M=...) is not a failure outside CI.
+# The long end-to-end tests (marked slow: soaks, fuzzing, clusters, benchmark-like runs, the
+# HF reference generations, the compatibility matrix's feature-pair tests), kept out of
+# `make test`'s ten minutes; CI runs them too. Selecting none (M=...) is not a failure
+# outside CI.
 test-slow:
 	M="$(M)" scripts/test -m "slow and not integration" || { rc=$$?; [ $$rc -eq 5 ] && [ -z "$${CI:-}" ]; }
 

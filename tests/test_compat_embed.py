@@ -16,7 +16,7 @@ import pytest
 import torch
 from live_server import LiveServer
 
-pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(300), pytest.mark.slow]
 
 API_KEY = "compat-embed-key"
 TEXTS = ["The cat sat on the mat.", "Stock markets fell today."]

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from nanollmserve.model import resolve_model
 
-pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400), pytest.mark.slow]
 
 BASE = "SmolLM2-135M-Instruct"
 DRAFTS = "nanollmserve:spec_decode_num_drafts_total"

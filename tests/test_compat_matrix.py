@@ -168,6 +168,7 @@ COLLECT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("pair", "test", "problem"), COLLECT_CASES, ids=[c[1] for c in COLLECT_CASES]
 )

@@ -38,7 +38,7 @@ from test_compat_recorder import RecordedServer
 
 from nanollmserve import LLM
 
-pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(400), pytest.mark.slow]
 
 SYSTEM = "You are terse. " + " ".join(f"Rule {i}: answer in one line." for i in range(12))
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is it ok?"}]

@@ -16,7 +16,7 @@ import pytest
 from cluster_process import tiny_model_dir, wait_until
 from compat_stack import CompatStack
 
-pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(300), pytest.mark.slow]
 
 PROMPT = "Once upon a time, " + " ".join(f"item {i} costs {i % 7} coins;" for i in range(12))
 

@@ -26,7 +26,7 @@ from reasoning_model import ANSWER, SCRIPT, THINKING, make_reasoning_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(400), pytest.mark.slow]
 
 BLOCKS = [("thinking", THINKING), ("text", ANSWER)]
 ADAPTER = "think-lora"

@@ -10,7 +10,7 @@ import json
 import pytest
 from compat_stack import REPEATING_PROMPT, SPEC_NGRAM, CompatStack
 
-pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400), pytest.mark.slow]
 
 ACCEPTED = "nanollmserve:spec_decode_num_accepted_tokens_total"
 DRAFTS = "nanollmserve:spec_decode_num_drafts_total"

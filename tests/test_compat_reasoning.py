@@ -25,7 +25,7 @@ from reasoning_model import ANSWER, SCRIPT, THINKING, make_reasoning_model
 
 from nanollmserve import LLM, SamplingParams
 
-pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m23"), pytest.mark.timeout(400), pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "Is it ok?"}]
 PROMPT = "Is it ok?\n"  # a completions prompt ending in the newline the script follows

@@ -27,7 +27,7 @@ from nanollmserve.config import EngineConfig
 from nanollmserve.frontend.async_engine import AsyncEngine
 from nanollmserve.tracing.spans import Tracer
 
-pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(400), pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "Is it ok?"}]
 

@@ -12,7 +12,7 @@ from compat_stack import SPEC_NGRAM, CompatStack
 from nanollmserve import LLM
 from nanollmserve.errors import UserError
 
-pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m00"), pytest.mark.timeout(400), pytest.mark.slow]
 
 MODEL = "tiny"
 

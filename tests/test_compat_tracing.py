@@ -21,7 +21,7 @@ from nanollmserve.config import EngineConfig
 from nanollmserve.frontend.async_engine import AsyncEngine
 from nanollmserve.tracing.spans import Tracer
 
-pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(400), pytest.mark.slow]
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

@@ -24,7 +24,7 @@ import pytest
 from cluster_process import ClusterProcess, wait_until
 from live_server import LiveServer, free_port
 
-pytestmark = pytest.mark.milestone("m32")
+pytestmark = [pytest.mark.milestone("m32"), pytest.mark.slow]
 
 NUM_STREAMS = 16
 MAX_TOKENS = 48

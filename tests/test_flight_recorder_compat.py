@@ -17,7 +17,7 @@ from compat_stack import REPEATING_PROMPT, SPEC_NGRAM, CompatStack
 
 from nanollmserve import SamplingParams
 
-pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(500)]
+pytestmark = [pytest.mark.milestone("m24"), pytest.mark.timeout(500), pytest.mark.slow]
 
 
 def replay(path, *flags: str) -> subprocess.CompletedProcess:

@@ -183,6 +183,7 @@ def window_growth(rss: list[int], early: slice, late: slice) -> int:
     return statistics.median(rss[late]) - statistics.median(rss[early])
 
 
+@pytest.mark.slow
 def test_the_ring_is_bounded_by_bytes_and_the_rss_stays_flat(tiny):
     """60 rounds of 15,208 prompt tokens (912k kept by an unbounded ring, ~33 MB): with a 1 MiB
     bound the ring holds at most 1 MiB and the typical RSS of rounds 50-60 is under 4 MiB over

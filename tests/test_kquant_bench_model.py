@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-pytestmark = pytest.mark.milestone("m31")
+pytestmark = [pytest.mark.milestone("m31"), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "make-bench-model"

@@ -76,6 +76,7 @@ def test_a_new_engine_loads_the_blocks_the_last_one_wrote(make_llm, tmp_path, dt
     assert no_offload.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_a_corrupt_truncated_or_misnamed_block_is_never_loaded_and_is_deleted(make_llm, tmp_path):
     cold = first_run(make_llm, tmp_path)
@@ -101,6 +102,7 @@ def test_a_corrupt_truncated_or_misnamed_block_is_never_loaded_and_is_deleted(ma
     assert full.num_cached_tokens == (len(ids) - 1) // BLOCK * BLOCK
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "changed",
@@ -130,6 +132,7 @@ def test_blocks_of_another_dtype_weight_format_or_layout_never_load(
         compat.exercised("gguf", quantization=reader.engine.loaded.quantization)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_directory_stays_under_its_bound_least_recently_used_first(make_llm, tmp_path):
     probe = first_run(make_llm, tmp_path / "probe")
@@ -150,6 +153,7 @@ def test_the_directory_stays_under_its_bound_least_recently_used_first(make_llm,
     assert run(llm, PROMPT).num_cached_tokens == 0  # its first blocks were the oldest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_blocks_are_kept_apart_by_adapter_and_cache_salt(make_llm, tmp_path, compat):
     lora = LoRARequest("a", 1, str(adapter_dir(seed=1)))
@@ -214,6 +218,7 @@ def test_a_store_path_that_is_a_file_is_refused(make_llm, tmp_path):
         make_llm(kv_offload_dir=str(path))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_prefix_restart_times_a_prefix_read_from_the_store(tmp_path):
     from bench_cli import run_bench

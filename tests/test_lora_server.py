@@ -49,6 +49,7 @@ def test_models_lists_adapters_with_parent(client):
     assert client.models.retrieve("a").model_extra["parent"] == BASE
 
 
+@pytest.mark.slow
 def test_adapter_through_server_matches_peft(client):
     from nanollmserve.model import resolve_model
 

@@ -26,7 +26,7 @@ from live_server import LiveServer, shared_server
 from nanollmserve.engine.kv_block_format import deserialize_block
 from nanollmserve.kv_store_dir import store_key
 
-pytestmark = pytest.mark.milestone("m26")
+pytestmark = [pytest.mark.milestone("m26"), pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16

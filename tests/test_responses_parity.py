@@ -120,6 +120,7 @@ def test_echoed_fields(client):
         client.responses.retrieve(response.id)
 
 
+@pytest.mark.slow
 def test_truncation_auto_drops_the_oldest_turns(client, server):
     filler = "word " * 1500  # three of these do not fit the 4096-token context
     history = []

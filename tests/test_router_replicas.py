@@ -23,7 +23,7 @@ from nanollmserve.router import Worker
 from nanollmserve.router.policies import preference
 from nanollmserve.router.routing_key import routing_key
 
-pytestmark = [pytest.mark.milestone("m32"), pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.milestone("m32"), pytest.mark.timeout(240), pytest.mark.slow]
 
 SYSTEMS = [f"You are assistant number {i} of the support desk. " * 6 for i in range(48)]
 

@@ -18,7 +18,7 @@ from live_server import LiveServer
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-pytestmark = pytest.mark.milestone("m02")
+pytestmark = [pytest.mark.milestone("m02"), pytest.mark.slow]
 
 MAX_EXAMPLES = 25
 READ_TIMEOUT_S = 60

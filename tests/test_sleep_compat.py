@@ -22,7 +22,7 @@ from nanollmserve.errors import UserError
 from nanollmserve.native.ops import kernels_unavailable_reason
 from nanollmserve.structured_outputs import StructuredOutputsParams
 
-pytestmark = pytest.mark.milestone("m25")
+pytestmark = [pytest.mark.milestone("m25"), pytest.mark.slow]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)

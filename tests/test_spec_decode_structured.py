@@ -21,7 +21,7 @@ from spec_decode_prompts import ASK_JSON, REGEX, SCHEMA
 from nanollmserve import LLM, SamplingParams
 from nanollmserve.model import resolve_model
 
-pytestmark = pytest.mark.milestone("m16")
+pytestmark = [pytest.mark.milestone("m16"), pytest.mark.slow]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
 CONSTRAINTS = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": ["Ada Lovelace", "Alan Turing"]}]
