@@ -202,7 +202,7 @@ def test_slots_out_of_range_and_the_keys(server, client):
 
 
 def test_a_directory_others_can_write_is_refused_at_start(tmp_path):
-    engine = types.SimpleNamespace(model_name="m", check_slot_save=lambda: None)
+    engine = types.SimpleNamespace(model_name="m", enable_slot_save=lambda: None)
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
@@ -265,19 +265,24 @@ def test_which_key_opens_the_slot_actions(admin_key):
 
 
 def test_places_are_taken_lowest_first_and_remember_what_finished_there():
+    unused = slot_save.SlotTable(1)  # without --slot-save-path no place keeps a prompt
+    unused.assign("x", savable=True)
+    unused.record("x", [1, 2], [3])
+    assert unused.tokens == [None]
     table = slot_save.SlotTable(2)
+    table.keep_tokens = True
     for request_id in ("a", "b", "c"):  # c waits: both places are held
         table.assign(request_id, savable=True)
-    table.record("b", [1, 2])
+    table.record("b", [1], [2])
     table.release("b")  # c takes place 1
     assert table.tokens == [None, [1, 2]]
-    table.record("c", [3])
+    table.record("c", [3], [])
     table.release("c")
     assert table.tokens == [None, [3]]
     table.assign("salted", savable=False)  # a LoRA or cache_salt request: never remembered
-    table.record("salted", [4])
+    table.record("salted", [4], [])
     table.release("salted")
-    table.record("a", [5])
+    table.record("a", [], [5])
     table.release("a")
     assert table.tokens == [[5], [3]]
     table.release("unknown")  # an id that never got a place (refused at admission)

@@ -54,7 +54,7 @@ class ServerContext:
         self.slot_dir: tuple[Path, bytes] | None = None
         """`--slot-save-path` opened (private, marked) and its MAC key; None: off."""
         if settings.slot_save_path is not None:
-            engine.check_slot_save()
+            engine.enable_slot_save()
             path = open_store_dir(settings.slot_save_path, SLOT_SAVE_FLAG)
             self.slot_dir = (path, store_key(path, SLOT_SAVE_FLAG))
 

@@ -83,6 +83,9 @@ class SlotTable:
     (engine thread only)."""
 
     def __init__(self, num_places: int) -> None:
+        self.keep_tokens = False
+        """Set with `--slot-save-path`: without it no place copies or keeps a request's
+        tokens (up to max_num_seqs contexts of prompts held for nothing)."""
         self.tokens: list[list[int] | None] = [None] * num_places
         self._holder: list[str | None] = [None] * num_places
         self._place: dict[str, int] = {}
@@ -97,11 +100,12 @@ class SlotTable:
         else:
             self._waiting[request_id] = savable
 
-    def record(self, request_id: str, token_ids: list[int]) -> None:
-        """The request finished with these tokens: its place remembers them (if savable)."""
+    def record(self, request_id: str, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """The request finished with these tokens: its place remembers them (if savable and
+        slots are saved at all)."""
         place = self._place.get(request_id)
-        if place is not None and self._savable.get(request_id):
-            self.tokens[place] = list(token_ids)
+        if self.keep_tokens and place is not None and self._savable.get(request_id):
+            self.tokens[place] = [*prompt_ids, *output_ids]
 
     def release(self, request_id: str) -> None:
         """The request left the engine (finished, aborted, failed): its place frees up."""

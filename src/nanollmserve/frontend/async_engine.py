@@ -441,8 +441,9 @@ class AsyncEngine:
         )
 
     # -- saved slots (`--slot-save-path`, engine/slot_save.py) ----------------------------------
-    def check_slot_save(self) -> None:
-        """UserError if this engine cannot save slots (called at start with the flag)."""
+    def enable_slot_save(self) -> None:
+        """Places keep their last tokens from now on (called at start with
+        `--slot-save-path`); UserError if this engine cannot save slots."""
         config = self.engine_loop.engine.config
         if not config.enable_prefix_caching or config.runner == "pooling":
             raise UserError(
@@ -456,6 +457,7 @@ class AsyncEngine:
                 f"--slot-save-path: kv_cache_dtype {config.kv_cache_dtype} is not supported "
                 "(the saved block format has no scales): use auto, float32 or float16"
             )
+        self.engine_loop.slots.keep_tokens = True
 
     async def slot_action(
         self, action: str, id_slot: int, filename: str | None, directory, key: bytes

@@ -431,8 +431,9 @@ class EngineLoop:
             self._counts["failed" if failed else "finished"] += 1
             self._notify("on_request_finished", final)
             if not failed and final.outputs:
-                tokens = list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
-                self.slots.record(final.request_id, tokens)
+                self.slots.record(
+                    final.request_id, final.prompt_token_ids, final.outputs[0].token_ids
+                )
         for output in step.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
