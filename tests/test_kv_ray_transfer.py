@@ -192,3 +192,18 @@ def test_kv_transfer_auto_picks_ray_only_across_hosts_without_a_shared_directory
             ["--kv-role", role, "--kv-transfer", "ray"] for role in ("prefill", "decode", "decode")
         ]
     assert len(roles.ray_key) == 32
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag", ["--kv-transfer-timeout", "--kv-transfer-hold-seconds"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e300", "3601"])
+def test_hostile_transfer_seconds_are_refused_before_the_model_loads(flag, value):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "nanollmserve.cli.main", "serve", "--kv-transfer", "ray"]
+    result = subprocess.run([*command, flag, value], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2, result.stdout + result.stderr
+    message = result.stderr.strip().splitlines()
+    assert len(message) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{flag} must be a number of seconds in [0, 3600]" in message[0]

@@ -164,7 +164,7 @@ class ServerSettings:
             "--kv-transfer ray, prefill worker: seconds it keeps a prompt's blocks in Ray's "
             "object store after answering phase 1 (at most --kv-offload-max-bytes of them, "
             "oldest freed first); a decode worker that fetches later recomputes them "
-            "(default %(default)s)",
+            "(0 to 3600; default %(default)s)",
             type=float,
             metavar="S",
         ),
@@ -173,7 +173,8 @@ class ServerSettings:
         default=10.0,
         metadata=_flag(
             "--kv-transfer ray, decode worker: seconds it waits for a prompt's blocks from "
-            "Ray's object store; a block missing or late is recomputed (default %(default)s)",
+            "Ray's object store; a block missing or late is recomputed (0 to 3600; default "
+            "%(default)s)",
             type=float,
             metavar="S",
         ),

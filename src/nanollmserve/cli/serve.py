@@ -242,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
+MAX_KV_TRANSFER_SECONDS = 3600
+"""The longest a prefill worker holds a prompt's objects, or a decode worker waits for them:
+an hour (a late block is recomputed, never waited on without end)."""
+
+
 def _check_ray_transfer(args: argparse.Namespace, config) -> None:
     """`--kv-transfer ray`: its numbers, its store, then join the Ray cluster (RAY_ADDRESS,
     else the one `ray start` made here) before the model loads."""
@@ -249,8 +254,10 @@ def _check_ray_transfer(args: argparse.Namespace, config) -> None:
         ("--kv-transfer-hold-seconds", args.kv_transfer_hold_seconds),
         ("--kv-transfer-timeout", args.kv_transfer_timeout),
     ):
-        if not (math.isfinite(value) and value >= 0):
-            raise UserError(f"{flag} must be a number of seconds >= 0, got {value}")
+        if not (math.isfinite(value) and 0 <= value <= MAX_KV_TRANSFER_SECONDS):
+            raise UserError(
+                f"{flag} must be a number of seconds in [0, {MAX_KV_TRANSFER_SECONDS}], got {value}"
+            )
     if config.kv_offload_dir is None:
         raise UserError(
             "--kv-transfer ray needs --kv-offload-dir DIR, this worker's own store (blocks "
