@@ -337,7 +337,17 @@ def test_a_wrong_key_asks_for_the_key(open_page):
 
 
 def test_behind_a_router_with_several_workers_it_says_to_open_a_worker(open_page, server):
+    """Also when the tab reopens while its last poll still waits on /stats (the CI run of
+    stop 47 lost this race): that poll's answer is stale, and the next poll anchors again."""
     page = open_page()
+    polling = lambda: page.evaluate("() => timeline.polling")  # noqa: E731
+    wait_until(lambda: not polling(), 60, "open_page's own poll to end")
+    held, mode = [], {"hold": True}  # while holding, every /stats waits for the test
+    page.route("**/stats", lambda route: held.append(route) if mode["hold"] else as_router(route))
+    page.click("#tab-timeline")
+    wait_until(lambda: polling() and held, 60, "the poll to ask /stats")
+    page.wait_for_timeout(200)  # lets the poll's request reach the route among the panel's
+    page.click("#tab-chat")
 
     def as_router(route):
         """The worker's /stats with two workers listed, as the router's /stats has."""
@@ -347,6 +357,11 @@ def test_behind_a_router_with_several_workers_it_says_to_open_a_worker(open_page
         stats["workers"] = [worker, {**worker, "url": "http://127.0.0.1:1"}]
         route.fulfill(response=response, json=stats)
 
-    page.route("**/stats", as_router)
-    shown = show_timeline(page, "router")
+    mode["hold"] = False
+    page.click("#tab-timeline")  # reopened while the first poll is in flight
+    for route in held:  # that poll (and the live panel's) sees one engine: it goes live
+        route.fulfill(response=route.fetch())
+    # No further click: a click on the open tab would start a fresh poll and hide the race.
+    shown = wait_until(lambda: (m := model(page))["status"] == "router" and m, 60, "router")
+    page.unroute_all(behavior="ignoreErrors")
     assert "2 workers" in shown["message"] and "--enable-debug-endpoints" in shown["message"]

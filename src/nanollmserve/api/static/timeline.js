@@ -30,6 +30,7 @@ const timeline = {
   open: false, // the tab is shown: keep polling
   timer: null,
   polling: false, // a poll is in flight (a tab switch must not start a second loop)
+  reanchor: false, // the tab was reopened during a poll: that poll's anchor is stale
   since: null, // the next step to ask for; null: find it from the engine line first
   numKvBlocks: 0,
   steps: [], // {record, cells: Map(request id -> phase), prefixHitBlocks}, oldest first
@@ -50,7 +51,10 @@ function showTimeline(open) {
   clearTimeout(timeline.timer);
   if (!open) return;
   timeline.since = null; // steps may have run while the tab was hidden: re-anchor
-  if (!timeline.polling) pollTimeline();
+  // A poll still in flight read /stats and the engine before the tab reopened: the next
+  // poll anchors again (else that poll's answer would set `since` and hide a router).
+  if (timeline.polling) timeline.reanchor = true;
+  else pollTimeline();
   scheduleTimelineDraw();
 }
 
@@ -103,6 +107,11 @@ async function pollTimeline() {
     delay = TIMELINE_RETRY_MS;
   }
   timeline.polling = false;
+  if (timeline.reanchor) {
+    timeline.reanchor = false;
+    timeline.since = null;
+    delay = 0;
+  }
   nextTimelinePoll(delay);
 }
 
