@@ -1,7 +1,8 @@
 """llama.cpp's slot actions (`POST /slots/{id}?action=save|restore|erase`) behind
 `--slot-save-path`, through HTTP on one live server of the bundled model: a saved slot is
 its sequence's cached KV blocks plus its tokens; restoring it puts them back into the prefix
-cache (the same request then hits it and answers the same greedy text); a changed file, a
+cache (the same request then hits it and answers the same greedy text); erasing drops its
+blocks from the prefix cache and from the `--kv-offload-dir` tier; a changed file, a
 file of another model, a hostile file name, a link and a slot out of range are refused;
 a directory others can write is refused at start; with an admin key on the server the
 actions need it. The refusal without the flag is tested on the shared server
@@ -38,10 +39,13 @@ def slot_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(slot_dir):
+    """With an offload tier too: an erased slot's blocks must not come back from its files."""
     server = LiveServer.start(
         *SHARED_ARGS,
         "--slot-save-path",
         str(slot_dir),
+        "--kv-offload-dir",
+        str(slot_dir.parent / "offload"),
         api_key=API_KEY,
         admin_api_key=ADMIN_KEY,
     )
@@ -96,7 +100,7 @@ def test_save_erase_restore_then_the_prompt_hits_the_cache(server, client, slot_
     erased = _action(client, "erase").json()
     expected = first["tokens_evaluated"] + first["tokens_predicted"]
     assert erased == {"id_slot": 0, "n_erased": expected}
-    again = _complete(client, prompt)  # its blocks were dropped: computed anew
+    again = _complete(client, prompt)  # its blocks and their offload files went: computed anew
     assert again["tokens_cached"] == 0 and again["content"] == first["content"]
     server.wait_idle()
     assert _action(client, "erase").json()["n_erased"] == expected
@@ -206,8 +210,10 @@ def test_a_directory_others_can_write_is_refused_at_start(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    with pytest.raises(UserError, match="--slot-save-path"):
+    with pytest.raises(UserError) as refused:
         ServerContext(engine, ServerSettings(slot_save_path=str(shared)))
+    assert "the --slot-save-path directory" in str(refused.value)  # not "the KV store's"
+    assert "KV store" not in str(refused.value)
     ours = tmp_path / "ours"
     ctx = ServerContext(engine, ServerSettings(slot_save_path=str(ours)))
     assert ctx.slot_dir[0] == ours and stat.S_IMODE(os.stat(ours).st_mode) == 0o700
@@ -275,14 +281,15 @@ def test_places_are_taken_lowest_first_and_remember_what_finished_there():
         table.assign(request_id, savable=True)
     table.record("b", [1], [2])
     table.release("b")  # c takes place 1
-    assert table.tokens == [None, [1, 2]]
+    assert table.tokens == [None, [1, 2]] and table.busy() == [True, True]
     table.record("c", [3], [])
     table.release("c")
-    assert table.tokens == [None, [3]]
+    assert table.tokens == [None, [3]] and table.busy() == [True, False]  # GET /slots
     table.assign("salted", savable=False)  # a LoRA or cache_salt request: never remembered
     table.record("salted", [4], [])
     table.release("salted")
     table.record("a", [], [5])
     table.release("a")
     assert table.tokens == [[5], [3]]
+    assert table.busy() == [False, False]
     table.release("unknown")  # an id that never got a place (refused at admission)

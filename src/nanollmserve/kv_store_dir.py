@@ -39,7 +39,7 @@ def open_store_dir(directory: str | Path, flag: str = "--kv-offload-dir") -> Pat
     0700. A `UserError` says why a directory is refused, naming `flag` (the option that
     gave it: --kv-offload-dir, --slot-save-path)."""
     path = Path(directory)
-    what = "the KV store directory"
+    what = f"the {flag} directory"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):

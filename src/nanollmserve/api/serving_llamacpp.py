@@ -248,11 +248,12 @@ def props(ctx: ServerContext) -> PropsResponse:
 
 
 def slots(ctx: ServerContext, fail_on_no_slot: bool) -> list[SlotState]:
-    """One entry per sequence place (`--max-num-seqs`); the first N are busy, N the
-    sequences in flight. 503 with `fail_on_no_slot` when none is free."""
+    """One entry per sequence place (`--max-num-seqs`), busy while a request holds it (the
+    place a finished request leaves is the one its slot actions act on). 503 with
+    `fail_on_no_slot` when none is free."""
     engine = ctx.engine
-    busy = min(engine.num_sequences_in_flight, engine.max_num_seqs)
-    if fail_on_no_slot and busy >= engine.max_num_seqs:
+    busy = engine.busy_slots()
+    if fail_on_no_slot and all(busy):
         raise APIError(503, "no slot available", code="unavailable_error")
     speculative = engine.config.speculative_config is not None
     return [
@@ -260,7 +261,7 @@ def slots(ctx: ServerContext, fail_on_no_slot: bool) -> list[SlotState]:
             id=i,
             n_ctx=engine.max_model_len,
             speculative=speculative,
-            is_processing=i < busy,
+            is_processing=busy[i],
             params=dict(DEFAULTS),
         )
         for i in range(engine.max_num_seqs)

@@ -22,8 +22,8 @@ weight format, KV dtype or block size is refused) and each block's tokens and ha
 be the ones its place in the token sequence names. Only then are its blocks copied into
 free pool blocks and registered in the prefix cache (`KVCacheManager.insert_cached`), so the
 next request with that prefix takes them as cache hits. Erase forgets the place's tokens and
-drops their cached blocks that no running request holds. Everything here runs on the engine
-thread, between steps.
+drops their cached blocks that no running request holds, and their `--kv-offload-dir` block
+files. Everything here runs on the engine thread, between steps.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ FILENAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 """A slot file's name: a plain name of at most 128 characters, no separator, not hidden."""
 MAX_SLOT_FILES = 64
 """Regular files the directory may hold (a save that would add one more is refused)."""
+ERASE_WRITE_WAIT_S = 5.0
+"""How long erase waits for the offload writer to finish the sequence's queued blocks."""
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
@@ -99,6 +101,11 @@ class SlotTable:
             self._take(self._holder.index(None), request_id)
         else:
             self._waiting[request_id] = savable
+
+    def busy(self) -> list[bool]:
+        """Which places a request holds now: a copy, so another thread may call it (GET
+        /slots reads it between steps without stopping the engine)."""
+        return [holder is not None for holder in list(self._holder)]
 
     def record(self, request_id: str, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The request finished with these tokens: its place remembers them (if savable and
@@ -235,8 +242,18 @@ def restore(engine: EngineCore, slot_dir: SlotDir, filename: str) -> tuple[list[
 
 
 def erase(engine: EngineCore, token_ids: list[int] | None) -> int:
-    """Drop the sequence's cached blocks no request holds -> how many were dropped."""
-    return engine.kv_cache.uncache(token_ids or [])
+    """Drop the sequence's cached blocks no request holds -> how many were dropped; with
+    `--kv-offload-dir` its block files go too, so no later request reloads what was erased
+    (a slot's tokens are the base model's, unsalted: `SlotTable.assign`'s `savable`)."""
+    token_ids = token_ids or []
+    if engine.kv_offload is not None:
+        store = engine.kv_offload.store
+        names = engine.kv_offload.prompt_block_names(token_ids, None)
+        with contextlib.suppress(TimeoutError):  # a write still queued would land after
+            store.when_written(names).result(ERASE_WRITE_WAIT_S)
+        for name in names:
+            store.discard(name)
+    return engine.kv_cache.uncache(token_ids)
 
 
 def _parse(engine: EngineCore, layout: KVLayout, key: bytes, data: bytearray):

@@ -294,6 +294,10 @@ class AsyncEngine:
         running)."""
         return self.engine_loop.num_seqs_in_flight
 
+    def busy_slots(self) -> list[bool]:
+        """Which sequence places (llama.cpp's slots, `SlotTable`) a request holds now."""
+        return self.engine_loop.slots.busy()
+
     @property
     def num_requests_rejected(self) -> int:
         return self.engine_loop.num_requests_rejected
@@ -469,33 +473,27 @@ class AsyncEngine:
 
         def run(engine, slots):
             started = time.perf_counter()
+            if action == "erase":
+                tokens = slots.tokens[id_slot] or []
+                slot_save.erase(engine, tokens)
+                slots.tokens[id_slot] = None
+                return {"id_slot": id_slot, "n_erased": len(tokens)}
             if action == "save":
-                n_saved, n_written = slot_save.save(
+                n_tokens, n_bytes = slot_save.save(
                     engine, slot_dir, filename, slots.tokens[id_slot]
                 )
-                ms = (time.perf_counter() - started) * 1000
-                return {
-                    "id_slot": id_slot,
-                    "filename": filename,
-                    "n_saved": n_saved,
-                    "n_written": n_written,
-                    "timings": {"save_ms": ms},
-                }
-            if action == "restore":
-                tokens, n_restored, n_read = slot_save.restore(engine, slot_dir, filename)
+                counts = {"n_saved": n_tokens, "n_written": n_bytes}
+            else:
+                tokens, n_tokens, n_bytes = slot_save.restore(engine, slot_dir, filename)
                 slots.tokens[id_slot] = tokens
-                ms = (time.perf_counter() - started) * 1000
-                return {
-                    "id_slot": id_slot,
-                    "filename": filename,
-                    "n_restored": n_restored,
-                    "n_read": n_read,
-                    "timings": {"restore_ms": ms},
-                }
-            tokens = slots.tokens[id_slot] or []
-            slot_save.erase(engine, tokens)
-            slots.tokens[id_slot] = None
-            return {"id_slot": id_slot, "n_erased": len(tokens)}
+                counts = {"n_restored": n_tokens, "n_read": n_bytes}
+            ms = (time.perf_counter() - started) * 1000
+            return {
+                "id_slot": id_slot,
+                "filename": filename,
+                **counts,
+                "timings": {f"{action}_ms": ms},
+            }
 
         done: Future = Future()
         self.engine_loop.send(SlotCall(run, done))
