@@ -69,7 +69,12 @@ def test_bundled_first_start_writes_no_dense_weights_and_answers_as_before(
     names = {p.name for p in entry.iterdir()}
     assert "model.safetensors" not in names
     assert not any(name.startswith("nanollmserve-fused-") for name in names)
-    assert {"gguf-blocks-v3.safetensors", "gguf-unblocked-v3.safetensors"} <= names
+    blocks, unblocked = gguf_cache.GGUF_BLOCKS_VERSION, gguf_cache.UNBLOCKED_VERSION
+    written_parts = {
+        f"gguf-blocks-v{blocks}.safetensors",
+        f"gguf-unblocked-v{unblocked}.safetensors",
+    }
+    assert written_parts <= names
     # No float32 copy of a linear weight, nor of the tied Q8_0 embedding table (looked up in
     # the output projection's blocks): the float32 tensors are the norms.
     written = float32_tensors(entry)
@@ -125,6 +130,32 @@ def test_a_quantized_gguf_runs_its_blocks_without_dense_weights(
         without_the_block_model(patch)
         before, _, _ = greedy_tokens(str(path), prompts)
     assert tokens == before
+
+
+def mapped_file(address: int) -> str | None:
+    """The file this process maps at `address` (/proc/self/maps), None for anonymous memory."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _, _, _, _, *path = line.split()
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start <= address < end:
+                return path[0] if path else None
+    return None
+
+
+@pytest.mark.parametrize("block_type", ["Q4_0", "Q8_0"])
+def test_a_later_start_runs_the_legacy_blocks_from_the_mapped_cache_file(
+    tmp_path: Path, isolated_cache: Path, block_type: str
+) -> None:
+    """The weights are in memory once: every linear layer's tiles are the cache file's mapped
+    pages, not a copy tiled at load (which doubled the peak RSS of a 1.2B Q8_0 load)."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", 3, "llama", block_type, False)
+    for _ in range(2):  # the first start writes the cache; the second only maps it
+        with LLM(str(path), num_kv_blocks=16) as llm:
+            layers = [m for m in llm.engine.loaded.model.modules() if isinstance(m, GGUFLinear)]
+            where = {mapped_file(m.tiles.data_ptr()) for m in layers}
+    blocks_file = f"gguf-blocks-v{gguf_cache.GGUF_BLOCKS_VERSION}.safetensors"
+    assert layers and len(where) == 1 and where.pop().endswith(blocks_file)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from torch import nn
 
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.quantization import WeightOnlyLinear
-from nanollmserve.model.gguf_blocks import BlockRows, embedding_in_output_blocks
+from nanollmserve.model.gguf_blocks import BlockRows, BlockTiles, embedding_in_output_blocks
 from nanollmserve.model.gguf_kquants import KQuantTiles
 
 
@@ -37,7 +37,7 @@ class GGUFLinear(WeightOnlyLinear):
 
     def __init__(
         self,
-        blocks: BlockRows | KQuantTiles,
+        blocks: BlockRows | BlockTiles | KQuantTiles,
         bias: torch.Tensor | None,
         out_features: int,
         in_features: int,
@@ -67,7 +67,9 @@ class GGUFLinear(WeightOnlyLinear):
         return gguf_matmul(self.kind, self.tiles, self.out_features, x, self.bias)
 
 
-def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows | KQuantTiles]) -> int:
+def apply_gguf_blocks(
+    model: nn.Module, blocks: dict[str, BlockRows | BlockTiles | KQuantTiles]
+) -> int:
     """Replace each linear layer whose weight has blocks (weight name -> `BlockRows`) in place,
     and the output projection when the file has its blocks -> the number of linear layers
     replaced (the output projection not counted).

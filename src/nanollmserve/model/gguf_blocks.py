@@ -81,6 +81,21 @@ def embedding_in_output_blocks(tied: bool, output_kind: int | None) -> bool:
     return tied and output_kind == KIND_Q8
 
 
+@dataclass(frozen=True)
+class BlockTiles:
+    """One legacy-kind weight already in the native kernels' tiled layout
+    (`BlockRows.tiled()`), as the GGUF cache stores it: `tiles` maps the cache file, so a
+    load copies nothing and the weights are in memory once (the file's pages)."""
+
+    kind: int
+    out_features: int
+    in_features: int
+    tiles: torch.Tensor
+
+    def tiled(self) -> torch.Tensor:
+        return self.tiles
+
+
 @dataclass
 class BlockRows:
     """One weight `[out, in]` as rows of quantized blocks, laid out for the native kernels."""

@@ -60,9 +60,10 @@ __all__ = [
 CONVERSION_VERSION = 2
 """Bump when the conversion output changes, so old cache entries are not reused.
 (2: an entry starts with the model files only; the weights are written as loads need them.)"""
-GGUF_BLOCKS_VERSION = 3
+GGUF_BLOCKS_VERSION = 4
 """Bump when the block row layout changes (the file name carries it). 2: K-quant weights
-(stored tiled) and their shapes; 3: their sub-scales stored once per output."""
+(stored tiled) and their shapes; 3: their sub-scales stored once per output; 4: the legacy
+kinds stored tiled too (a load maps them instead of tiling a copy: the weights once in RSS)."""
 UNBLOCKED_VERSION = 3
 """Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it).
 (2: no float32 embedding table when a tied Q8_0 table is looked up in its blocks.)"""
@@ -246,9 +247,9 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
 
 def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
     """The GGUF's quantized linear weights in the native kernels' row layout
-    (`--quantization gguf`): weight name -> `BlockRows`, read from `entry` or laid out once and
-    saved there (the layout is the same on every CPU)."""
-    from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks, warn_without_kernel
+    (`--quantization gguf`): weight name -> `BlockTiles` or `KQuantTiles`, mapped from `entry`
+    or laid out once and saved there (the layout is the same on every CPU)."""
+    from nanollmserve.model.gguf_blocks import BlockTiles, read_gguf_blocks, warn_without_kernel
     from nanollmserve.model.gguf_kquants import KQuantTiles
     from nanollmserve.native.abi import kquant_bits
 
@@ -258,9 +259,7 @@ def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
         blocks = read_gguf_blocks(gguf_path, config)
         kinds = {name: b.kind for name, b in blocks.items()}
         shapes = {name: [b.out_features, b.in_features] for name, b in blocks.items()}
-        tensors = {
-            name: b.tiles if isinstance(b, KQuantTiles) else b.rows for name, b in blocks.items()
-        }
+        tensors = {name: b.tiled() for name, b in blocks.items()}
         metadata = {"kinds": json.dumps(kinds), "shapes": json.dumps(shapes)}
         return tensors, {"gguf_file": gguf_path.name, **metadata}
 
@@ -268,10 +267,9 @@ def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
     tensors, metadata = _cached_tensors(path, "laying out the quantized blocks", build)
     kinds, shapes = json.loads(metadata["kinds"]), json.loads(metadata["shapes"])
 
-    def blocks(name: str, tensor):  # the K-quant layout is stored tiled (tiling takes seconds)
-        if kquant_bits(kinds[name]) is None:
-            return BlockRows(kinds[name], tensor)
-        return KQuantTiles(kinds[name], *shapes[name], tensor)
+    def blocks(name: str, tensor):  # stored tiled: the layers run the mapped file's bytes
+        tiles = KQuantTiles if kquant_bits(kinds[name]) is not None else BlockTiles
+        return tiles(kinds[name], *shapes[name], tensor)
 
     return {name: blocks(name, tensor) for name, tensor in tensors.items()}
 
