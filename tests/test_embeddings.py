@@ -245,7 +245,6 @@ HOSTILE = [
     ({"input": None}, "input"),
     ({"input": {"text": "a"}}, "input"),
     ({"input": [["a"]]}, "input"),
-    ({"input": ["a", 1]}, "input"),
     ({"input": [[1] * (MAX_MODEL_LEN + 1)]}, "input"),  # longer than the model's context
     ({"input": "word " * 400}, "input"),
     ({"input": ["a"] * 13}, "input"),  # more than the server admits at once (4 + 8)
@@ -261,6 +260,33 @@ HOSTILE = [
     ({"input": "a", "model": "other-model"}, "model"),
     ({"input": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"input": "a", "user": "u" * 100_000}, "user"),
+    # llama.cpp's forms: mixed token ids and strings, prompt objects
+    ({"input": [1, "a", -1]}, "input"),
+    ({"input": [1, "a", 2**40]}, "input"),
+    ({"input": [1, "a", 49152]}, "input"),  # out of the vocabulary
+    ({"input": [1, "a", 1.5]}, "input"),
+    ({"input": [1, "a", True]}, "input"),
+    ({"input": [1, "a", None]}, "input"),
+    ({"input": [1, "a", ["b"]]}, "input"),
+    ({"input": ["a", [1, "b", -5]]}, "input"),
+    ({"input": [1] + ["a"] * 100_000}, "input"),  # more pieces than the context, not tokenized
+    ({"input": [1, "word " * 400]}, "input"),  # longer than the context
+    ({"input": ["a", {"prompt_string": [1, "word " * 400]}]}, "input"),
+    ({"input": [[1, "a"]] * 13}, "input"),  # more than the server admits at once
+    ({"input": [{"prompt_string": "a"}] * 257}, "input"),  # more than any request may carry
+    ({"input": {"prompt_string": ""}}, "input"),
+    ({"input": {"prompt_string": []}}, "input"),
+    ({"input": {"prompt_string": ["", ""]}}, "input"),  # no tokens
+    ({"input": {"prompt_string": 5}}, "input"),
+    ({"input": {"prompt_string": "a", "multimodal_data": ["AAAA"]}}, "input"),
+    ({"input": {"content": "a"}}, "input"),
+    ({"input": {"content": []}}, "input"),
+    ({"input": {"content": [{"type": "text", "text": ""}]}}, "input"),  # no tokens
+    ({"input": {"content": [{"type": "text"}]}}, "input"),
+    ({"input": {"content": [{"type": "unknown"}]}}, "input"),
+    ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:,A"}}]}}, "input"),
+    ({"input": {"content": [{"type": "text", "text": "a"}], "prompt_string": "b"}}, "input"),
+    ({"input": [{"content": [{"type": "text", "text": "a"}]}, {"prompt": "b"}]}, "input"),
 ]
 
 
@@ -271,7 +297,7 @@ def test_hostile_requests_are_400_naming_the_field(server, body, param, compat):
     assert reply.status_code in (400, 404), reply.text
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
+    assert error["param"] == param or error["param"].startswith(f"{param}."), error
     assert server.process.poll() is None
     if param == "response_format":  # structured output on a pooling server
         compat.refused("structured", "embed", error["message"])
@@ -279,13 +305,88 @@ def test_hostile_requests_are_400_naming_the_field(server, body, param, compat):
 
 def test_non_finite_numbers_are_400(server):
     with server.client() as http:
-        for raw in ('{"input": [NaN]}', '{"input": "a", "dimensions": Infinity}'):
+        for raw in (
+            '{"input": [NaN]}',
+            '{"input": "a", "dimensions": Infinity}',
+            '{"input": [1, "a", NaN]}',
+            '{"input": ["a", [-Infinity, "b"]]}',
+            '{"input": {"prompt_string": [1, Infinity]}}',
+        ):
             reply = http.post(
                 "/v1/embeddings", content=raw, headers={"Content-Type": "application/json"}
             )
             assert reply.status_code == 400, reply.text
     assert_blocks_back(server)
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_llamacpp_input_forms_embed_like_their_text(server, hf_bundled):
+    """llama.cpp's forms of `input` (its server test's test_embedding_mixed_input and
+    test_embedding_content_text_same_as_string): a list mixing token ids and strings is one
+    prompt, a prompt object one prompt, a list of them several; each embeds as its text."""
+    tokenizer = hf_bundled[1]
+    head, tail = tokenizer.encode("The cat"), " sat on the mat."
+    ids = head + tokenizer.encode(tail, add_special_tokens=False)
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]
+    forms = [
+        "hello world",
+        {"prompt_string": "hello world"},
+        {"content": parts},
+        ids,
+        [*head, tail],
+        {"prompt_string": [*head, tail]},
+    ]
+    with server.client() as http:
+        reply = http.post("/v1/embeddings", json={"input": forms})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        singles = [
+            http.post("/v1/embeddings", json={"input": form}).json()
+            for form in (forms[4], forms[2], forms[1])
+        ]
+        too_long = http.post("/v1/embeddings", json={"input": "word " * 400})
+    vectors = [d["embedding"] for d in body["data"]]
+    assert [d["index"] for d in body["data"]] == list(range(len(forms)))
+    for vector in vectors[1:3]:
+        assert np.allclose(vector, vectors[0], atol=1e-5)
+    for vector in vectors[4:]:
+        assert np.allclose(vector, vectors[3], atol=1e-5)
+    assert not np.allclose(vectors[0], vectors[3], atol=1e-2)
+    text_tokens = len(tokenizer.encode("hello world"))
+    assert body["usage"]["prompt_tokens"] == 3 * text_tokens + 3 * len(ids)
+    for single, expected in zip(singles, (vectors[3], vectors[0], vectors[0]), strict=True):
+        assert len(single["data"]) == 1
+        assert np.allclose(single["data"][0]["embedding"], expected, atol=1e-5)
+    # llama.cpp's test_embedding_error_prompt_too_long looks for its words "too large".
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["param"] == "input"
+    assert "too large" in too_long.json()["error"]["message"]
+    assert_blocks_back(server)
+
+
+def test_mixed_prompt_pieces_tokenize_in_place_with_special_tokens_first_only():
+    """llama.cpp's tokenize_mixed: each string's tokens where it stands, the tokenizer's
+    special tokens (BOS) only for a string that comes first; at most the context length in
+    pieces; the ids checked as any token ids."""
+    from nanollmserve.errors import ParamError
+    from nanollmserve.frontend.input_processor import InputProcessor
+
+    class Tokenizer:  # BOS 1, then one id per character
+        eos_token_id = 2
+
+        def encode(self, text, add_special_tokens=True):
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    processor = InputProcessor(Tokenizer(), max_model_len=8, vocab_size=1000, pooling=True)
+    assert processor.tokenize(["ab", 5, "c"]) == (None, [1, 97, 98, 5, 99])
+    assert processor.tokenize([5, "", "c"]) == (None, [5, 99])
+    for hostile, match in (
+        ([5] + ["c"] * 8, "at most 8 pieces"),
+        ([5, "c", 1000], "integers in"),
+        (["", ""], "must not be empty"),
+    ):
+        with pytest.raises(ParamError, match=match):
+            processor.tokenize(hostile)
 
 
 def test_generation_routes_are_refused_on_a_pooling_server(server):

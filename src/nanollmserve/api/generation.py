@@ -37,7 +37,7 @@ MAX_BATCH_PROMPTS = 256
 
 async def admit(
     engine: AsyncEngine,
-    prompts: list[str | list[int]],
+    prompts: list[str | list[int | str]],
     params: SamplingParams,
     request_id: str,
     output_kind: OutputKind,

@@ -102,7 +102,7 @@ class ServerContext:
 
     async def add_requests(
         self,
-        prompts: list[str | list[int]],
+        prompts: list[str | list[int | str]],
         params: SamplingParams,
         request_id: str,
         stream: bool = False,

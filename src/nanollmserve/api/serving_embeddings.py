@@ -1,11 +1,14 @@
-"""`POST /v1/embeddings`: texts or token ids in, one embedding per input out.
+"""`POST /v1/embeddings`: texts or token ids in (OpenAI's forms, and llama.cpp's: token ids
+mixed with strings, `prompt_string` and `content` objects; `protocol_embeddings.py`), one
+embedding per input out.
 
 Only a server started with `--runner pooling` (or `--task embed`) embeds; any other answers
 400 naming the flag. Every input is admitted to the engine at once, as one prefill-only
 request each (batched by the scheduler with the others, its KV blocks freed when its prompt
 has run); the engine pools the final hidden states as `--pooler-config` says. A request may
 carry at most `MAX_EMBEDDING_INPUTS` inputs and no more than the server admits at once
-(`--max-num-seqs` + `--max-queue-len`), each at most the model's context length in tokens.
+(`--max-num-seqs` + `--max-queue-len`), each at most the model's context length in tokens
+(a longer one is a 400 that says it is too large), whatever its form.
 """
 
 from __future__ import annotations

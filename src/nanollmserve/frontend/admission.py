@@ -129,7 +129,11 @@ class Admission:
             raise ParamError(
                 f"This model's maximum context length is {max_model_len} tokens, and the "
                 f"prompt has {num_prompt} tokens"
-                + ("." if processor.pooling else ", leaving no room for output."),
+                + (
+                    ": too large to embed."
+                    if processor.pooling
+                    else ", leaving no room for output."
+                ),
                 "prompt",
             )
         if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:

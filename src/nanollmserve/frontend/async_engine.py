@@ -328,7 +328,7 @@ class AsyncEngine:
         the engine thread."""
         self.engine_loop.observers.append(observer)
 
-    async def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    async def tokenize(self, prompt: str | list[int | str]) -> tuple[str | None, list[int]]:
         return await self._off_loop(self.input_processor.tokenize, prompt)
 
     async def chat_token_ids(

@@ -52,8 +52,11 @@ class InputProcessor:
         stop_ids = sorted(stop_token_ids) or [tokenizer.eos_token_id]
         self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids, grammar_limits)
 
-    def tokenize(self, prompt: str | list[int] | TokenizedPrompt) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids)."""
+    def tokenize(
+        self, prompt: str | list[int | str] | TokenizedPrompt
+    ) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids). A list with strings among its
+        token ids is llama.cpp's mixed prompt (the embedding routes take it): `_pieces`."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt.text, prompt.token_ids
         if isinstance(prompt, str):
@@ -61,6 +64,8 @@ class InputProcessor:
                 raise ParamError("prompt must not be empty", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         token_ids = list(prompt)
+        if any(isinstance(t, str) for t in token_ids):
+            token_ids = self._pieces(token_ids)
         if not token_ids:
             raise ParamError("prompt must not be empty", "prompt")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
@@ -68,6 +73,27 @@ class InputProcessor:
                 f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt"
             )
         return None, token_ids
+
+    def _pieces(self, pieces: list[int | str]) -> list[int]:
+        """The token ids of llama.cpp's mixed prompt: each id as is (checked by `tokenize`),
+        each string's tokens in its place, with the tokenizer's special tokens (BOS) only
+        for a string that comes first, as llama.cpp's `tokenize_mixed`. At most the context
+        length in pieces (each id is a token), so a hostile list of many short strings is
+        refused before it is tokenized piece by piece."""
+        limit = self.max_model_len
+        if len(pieces) > limit:
+            raise ParamError(
+                f"a prompt of token ids and strings may have at most {limit} pieces (this "
+                f"model's context length), got {len(pieces)}: the prompt is too large",
+                "prompt",
+            )
+        token_ids: list = []
+        for i, piece in enumerate(pieces):
+            if not isinstance(piece, str):
+                token_ids.append(piece)
+            elif piece:
+                token_ids += self.tokenizer.encode(piece, add_special_tokens=i == 0)
+        return token_ids
 
     def make_requests(
         self,
