@@ -16,7 +16,7 @@ pieces are bounded by the context length (`InputProcessor.tokenize`).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, StrictStr, Tag, field_validator
 
@@ -82,11 +82,14 @@ _FORMS = (
     "an object with prompt_string or content (llama.cpp's)"
 )
 # The tags hold a '-', so the location of a validation error (its `param`) leaves them out.
+_ONE_PROMPT_FORMS = (
+    Annotated[EmbeddingText, Tag("input-text")],
+    Annotated[PromptPieces, Tag("input-pieces")],
+    Annotated[PromptString, Tag("prompt_string-object")],
+    Annotated[ContentPrompt, Tag("content-object")],
+)
 OnePrompt = Annotated[
-    Annotated[EmbeddingText, Tag("input-text")]
-    | Annotated[PromptPieces, Tag("input-pieces")]
-    | Annotated[PromptString, Tag("prompt_string-object")]
-    | Annotated[ContentPrompt, Tag("content-object")],
+    Union[_ONE_PROMPT_FORMS],  # noqa: UP007 (a union built from the tuple)
     Discriminator(
         _form,
         custom_error_type="invalid_input",
@@ -94,12 +97,15 @@ OnePrompt = Annotated[
     ),
 ]
 EmbeddingInput = Annotated[
-    Annotated[EmbeddingText, Tag("input-text")]
-    | Annotated[PromptPieces, Tag("input-pieces")]
-    | Annotated[PromptString, Tag("prompt_string-object")]
-    | Annotated[ContentPrompt, Tag("content-object")]
-    | Annotated[
-        list[OnePrompt], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS), Tag("input-list")
+    Union[  # noqa: UP007 (a union built from the tuple)
+        (
+            *_ONE_PROMPT_FORMS,
+            Annotated[
+                list[OnePrompt],
+                Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+                Tag("input-list"),
+            ],
+        )
     ],
     Discriminator(
         _form,
