@@ -2,7 +2,8 @@
 
 The bundled model stores its linear weights as Q4_1 blocks (32 weights, 4-bit codes `q`, two
 float16 constants: `w = d * q + m`) and its embedding table, which is also its output
-projection, as Q8_0 (`w = d * q`, 8-bit codes). These layers keep only those blocks
+projection, as Q8_0 (`w = d * q`, 8-bit codes); the input embedding looks its rows up in the
+same blocks (`gguf_embedding.py`). These layers keep only those blocks
 (`model/gguf_blocks.py`: nothing is re-quantized, and no dequantized copy is kept), tiled 16
 outputs at a time, and multiply with them through the native kernels (`native/gguf_cpu.c`) at
 every row count (weights in K-quant and 5-bit blocks through `native/kquant_cpu.c`'s kernel,
@@ -27,7 +28,7 @@ from torch import nn
 
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.quantization import WeightOnlyLinear
-from nanollmserve.model.gguf_blocks import BlockRows, BlockTiles, embedding_in_output_blocks
+from nanollmserve.model.gguf_blocks import BlockRows, BlockTiles, embedding_blocks
 from nanollmserve.model.gguf_kquants import KQuantTiles
 
 
@@ -71,14 +72,14 @@ def apply_gguf_blocks(
     model: nn.Module, blocks: dict[str, BlockRows | BlockTiles | KQuantTiles]
 ) -> int:
     """Replace each linear layer whose weight has blocks (weight name -> `BlockRows`) in place,
-    and the output projection when the file has its blocks -> the number of linear layers
-    replaced (the output projection not counted).
+    the output projection when the file has its blocks, and the input embedding when its table
+    is in blocks -> the number of linear layers replaced (the output projection not counted).
 
-    The bundled model ties its output projection to the embedding table, stored as Q8_0: the
-    lm_head becomes a `GGUFLinear` over those blocks (30 MB a token instead of the float32
-    table's 113 MB), and the embedding lookup reads its rows from the same blocks
-    (`GGUFEmbedding`): no float32 table is kept. A table in 4-bit blocks, or an untied one,
-    keeps the float32 embedding.
+    The input embedding looks its rows up in the table's own blocks (`GGUFEmbedding`): a tied
+    table's are the output projection's (the bundled model's Q8_0 table: the lm_head runs 30
+    MB a token instead of the float32 table's 113 MB, and nothing is stored twice), an untied
+    one's are `blocks["model.embed_tokens.weight"]` (a Q4_K_M file's Q4_K table). No float32
+    table is kept; a table in a type no kernel runs keeps the float32 embedding.
     """
     replaced = 0
     for module_name, module in list(model.named_modules()):
@@ -95,10 +96,13 @@ def apply_gguf_blocks(
         setattr(parent, attr, layer)
         replaced += 1
     lm_head = getattr(model, "lm_head", "absent")
+    vocab, hidden = model.model.embed_tokens.weight.shape
     if "lm_head.weight" in blocks and (lm_head is None or isinstance(lm_head, nn.Linear)):
-        vocab, hidden = model.model.embed_tokens.weight.shape
         model.lm_head = GGUFLinear(blocks["lm_head.weight"], None, vocab, hidden)
-        # tied: the table's own blocks
-        if embedding_in_output_blocks(lm_head is None, model.lm_head.kind):
-            model.model.embed_tokens = GGUFEmbedding(model.lm_head.tiles, vocab, hidden)
+    tied = lm_head is None
+    table = embedding_blocks(blocks, tied)
+    if table is not None:
+        # tied: the lm_head's own tiles (`tiled()` of a `BlockRows` would be a second copy)
+        tiles = model.lm_head.tiles if tied else table.tiled()
+        model.model.embed_tokens = GGUFEmbedding(table.kind, tiles, vocab, hidden)
     return replaced

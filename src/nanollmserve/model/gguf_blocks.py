@@ -15,7 +15,9 @@ fused modules expect, and llama.cpp's reordering of the query and key rows of Ll
 files (its converter interleaves the two rotary halves of each head) is undone on the rows, as
 transformers undoes it on the floats, so row `i` here is row `i` of the dequantized checkpoint.
 The output projection (`lm_head.weight`) is the file's `output.weight`, or for tied embeddings
-its `token_embd.weight`.
+its `token_embd.weight`. An untied `token_embd.weight` in a type the kernels run is laid out
+the same way as `model.embed_tokens.weight` (`EMBEDDING`): the input embedding looks its rows
+up in those blocks (`layers/gguf_embedding.py`), as a tied one does in the output projection's.
 
 A fused weight with a part in a K-quant or 5-bit type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) is read
 by `gguf_kquants.py` instead, every part in its own type (legacy parts too), into the K-quant
@@ -74,11 +76,26 @@ _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 """ggml type ids of plain floats: dense weights by nature, not block types without a kernel."""
 
 
-def embedding_in_output_blocks(tied: bool, output_kind: int | None) -> bool:
-    """Whether the input embedding is looked up in the output projection's blocks
-    (`GGUFEmbedding`): a tied table stored as Q8_0, whose rows dequantize to the floats the
-    float32 table held. Then no float32 table is kept, written to the cache or read."""
-    return tied and output_kind == KIND_Q8
+EMBEDDING = "model.embed_tokens.weight"
+"""The input embedding's name in `read_gguf_blocks`' answer (an untied table's own blocks)."""
+
+
+def embedding_in_blocks(gguf: GGUFFile, config: ModelConfig) -> bool:
+    """Whether the input embedding is looked up in the file's blocks (`GGUFEmbedding`):
+    `token_embd.weight` is in a type the kernels run (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q5_0,
+    Q5_1), tied or not. Then no float32 table is kept, written to the cache or read: a tied
+    table is the output projection's blocks, an untied one has its own
+    (`read_gguf_blocks`' `EMBEDDING`)."""
+    table = gguf.tensors.get("token_embd.weight")
+    if table is None or table.ggml_type not in _KQUANT_READABLE or len(table.shape) != 2:
+        return False
+    return not config.tie_word_embeddings or _output_tensor(gguf, config) is table
+
+
+def embedding_blocks(blocks: dict, tied: bool) -> BlockRows | BlockTiles | KQuantTiles | None:
+    """The blocks `read_gguf_blocks` (or the cache) gives the input embedding, or None (a
+    float32 table then): a tied table's are the output projection's."""
+    return blocks.get("lm_head.weight") if tied else blocks.get(EMBEDDING)
 
 
 @dataclass(frozen=True)
@@ -166,7 +183,8 @@ def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRow
     """Our weight name -> its blocks laid out for a native kernel, for every linear weight
     whose fused parts all have one: `BlockRows` when they are all Q4_0 / Q4_1 or all Q8_0,
     else `KQuantTiles` when each is a K-quant, 5-bit or legacy type (else the module stays
-    dequantized).
+    dequantized); and an untied input embedding table in such a type under `EMBEDDING`, laid
+    out as a linear weight of its type (`GGUFEmbedding` looks its rows up there).
 
     The file is memory-mapped (`gguf_file.py`) and each legacy weight written once, straight
     from the map into its fused output rows: no per-tensor Python objects beyond the table, no
@@ -194,6 +212,8 @@ def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRow
     output = _output_tensor(gguf, config)
     if output is not None:
         weights["lm_head.weight"] = _fused_blocks(gguf, [output], [None])
+    if embedding_in_blocks(gguf, config) and not config.tie_word_embeddings:
+        weights[EMBEDDING] = _fused_blocks(gguf, [gguf.tensors["token_embd.weight"]], [None])
     return weights
 
 

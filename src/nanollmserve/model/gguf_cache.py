@@ -7,8 +7,9 @@ beside them:
 
 - the GGUF block layers (`--quantization gguf`, the default for a GGUF file on the CPU): the
   linear weights' blocks (`gguf-blocks-v*.safetensors`) and the other tensors in float32
-  (`gguf-unblocked-v*.safetensors`: norms, biases, and the embedding table unless a tied
-  Q8_0 table is looked up in its blocks), a few seconds;
+  (`gguf-unblocked-v*.safetensors`: norms, biases, and the embedding table only when it is in
+  a type no kernel runs: else it is looked up in its blocks, an untied table's stored with the
+  linear weights'), a few seconds;
 - anything that runs dense weights: `model.safetensors`, every tensor dequantized to float32
   by transformers (~20 s for the bundled 135 M model), converted the first time such a load
   asks (`cached_dense_weights`, called by the loader).
@@ -60,13 +61,15 @@ __all__ = [
 CONVERSION_VERSION = 2
 """Bump when the conversion output changes, so old cache entries are not reused.
 (2: an entry starts with the model files only; the weights are written as loads need them.)"""
-GGUF_BLOCKS_VERSION = 4
+GGUF_BLOCKS_VERSION = 5
 """Bump when the block row layout changes (the file name carries it). 2: K-quant weights
 (stored tiled) and their shapes; 3: their sub-scales stored once per output; 4: the legacy
-kinds stored tiled too (a load maps them instead of tiling a copy: the weights once in RSS)."""
-UNBLOCKED_VERSION = 3
+kinds stored tiled too (a load maps them instead of tiling a copy: the weights once in RSS);
+5: an untied embedding table in a type the kernels run, tiled (`gguf_blocks.EMBEDDING`)."""
+UNBLOCKED_VERSION = 4
 """Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it).
-(2: no float32 embedding table when a tied Q8_0 table is looked up in its blocks.)"""
+(2: no float32 embedding table when a tied Q8_0 table is looked up in its blocks; 4: nor when
+the table, tied or not, is in any type the kernels run.)"""
 INFO_FILE = "nanollmserve_gguf.json"
 DENSE_WEIGHTS_FILE = "model.safetensors"
 TMP_PREFIX = ".tmp-"
@@ -246,8 +249,9 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
 
 
 def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
-    """The GGUF's quantized linear weights in the native kernels' row layout
-    (`--quantization gguf`): weight name -> `BlockTiles` or `KQuantTiles`, mapped from `entry`
+    """The GGUF's quantized linear weights (and an untied embedding table in blocks) in the
+    native kernels' tiled layout (`--quantization gguf`): weight name -> `BlockTiles` or
+    `KQuantTiles`, mapped from `entry`
     or laid out once and saved there (the layout is the same on every CPU)."""
     from nanollmserve.model.gguf_blocks import BlockTiles, read_gguf_blocks, warn_without_kernel
     from nanollmserve.model.gguf_kquants import KQuantTiles

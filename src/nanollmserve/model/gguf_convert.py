@@ -10,7 +10,7 @@ Three conversions, each written once by `gguf_cache.py`:
   (`AutoConfig`/`AutoTokenizer` with `gguf_file=` would each parse the file with the gguf
   package's reader first, 1.7 to 5 s apiece.)
 - `unblocked_tensors`: the tensors the GGUF block layers do not hold (embedding table unless
-  it is looked up in the output projection's Q8_0 blocks, norms, attention biases, an output
+  it is looked up in its own blocks or the output projection's, norms, attention biases, an output
   projection stored in another type), dequantized to float32
   (`GGUFFile.dequantize`), under our parameter names. With the blocks they are the whole model
   (`loader.load_gguf_block_model`).
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from nanollmserve.errors import UserError
-from nanollmserve.model.gguf_blocks import embedding_in_output_blocks, output_block_kind
+from nanollmserve.model.gguf_blocks import embedding_in_blocks, output_block_kind
 from nanollmserve.model.gguf_file import GGUFFile, read_gguf_file
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.registry import MODEL_TYPE_TO_ARCHITECTURE
@@ -159,8 +159,9 @@ def _tokenizer(gguf_path: Path, model_type: str):
 
 def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameter name -> float32 tensor, for every tensor of the file that is not a linear
-    weight of a decoder layer (those run as blocks): embedding table (unless a tied Q8_0 table
-    is looked up in its blocks), norms, attention biases and the output projection of an
+    weight of a decoder layer (those run as blocks): embedding table (unless it is looked up in
+    its blocks: `gguf_blocks.embedding_in_blocks`), norms, attention biases and the output
+    projection of an
     untied model when no kernel runs its blocks. Tensors this mapping does not know are left
     out: the loader then finds a parameter missing and loads the dense weights instead."""
     gguf = read_gguf_file(gguf_path)
@@ -174,7 +175,7 @@ def unblocked_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, torch.T
         if norm_shift and gguf_name.endswith("norm.weight"):
             out[name] -= norm_shift
 
-    if not embedding_in_output_blocks(config.tie_word_embeddings, output_block_kind(gguf, config)):
+    if not embedding_in_blocks(gguf, config):
         add("model.embed_tokens.weight", "token_embd.weight")
     add("model.norm.weight", "output_norm.weight")
     untied = "output.weight" in gguf.tensors and not config.tie_word_embeddings

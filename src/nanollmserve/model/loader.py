@@ -108,7 +108,7 @@ def load_gguf_block_model(
     model (a linear weight stored in another block type, a tensor the mapping does not know):
     the caller loads the dense weights then, which also says what does not match."""
     from nanollmserve.layers.gguf_linear import apply_gguf_blocks
-    from nanollmserve.model.gguf_blocks import embedding_in_output_blocks
+    from nanollmserve.model.gguf_blocks import EMBEDDING, embedding_blocks
 
     if get_tp_size() != 1:
         return None
@@ -122,9 +122,8 @@ def load_gguf_block_model(
     unblocked = read_unblocked()
     expected = {name: t.shape for name, t in model.state_dict().items()}
     needed = expected.keys() - blocks.keys()
-    output = blocks.get("lm_head.weight")
-    if embedding_in_output_blocks(model_config.tie_word_embeddings, output and output.kind):
-        needed -= {"model.embed_tokens.weight"}  # apply_gguf_blocks looks it up in the blocks
+    if embedding_blocks(blocks, model_config.tie_word_embeddings) is not None:
+        needed -= {EMBEDDING}  # apply_gguf_blocks looks it up in the blocks
     if not needed <= unblocked.keys() or not unblocked.keys() <= expected.keys():
         return None
     if any(unblocked[name].shape != expected[name] for name in needed):

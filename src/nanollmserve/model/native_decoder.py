@@ -83,9 +83,9 @@ class NativeDecoder:
     rms_norm_eps: float
     attn_scale: float
     embed: torch.Tensor
-    """The input embedding table: [vocab, hidden] float32 (`embed_kind` 0), or the tiled Q8_0
-    blocks it is stored in (`embed_kind` KIND_Q8, `layers/gguf_embedding.py`), rows dequantized
-    as they are looked up."""
+    """The input embedding table: [vocab, hidden] float32 (`embed_kind` 0), or the tiled blocks
+    it is stored in (`embed_kind` their kind: KIND_Q4, KIND_Q8 or a K-quant kind,
+    `layers/gguf_embedding.py`), rows dequantized as they are looked up."""
     final_norm: torch.Tensor
     rope: torch.Tensor
     """[positions, head_dim]: cos of the half-dim frequencies, then sin."""

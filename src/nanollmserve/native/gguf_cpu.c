@@ -512,27 +512,71 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
 
 /* nls_layer and nls_model: native.h */
 
-/* Row `token` of the embedding table into `out` [hidden]. A Q8 table is read in the tiled
- * layout of the block kernels (token = output o of tile token / TILE; in each block of 32,
- * byte 32 p + 2 o + i is the code of input 2 p + i, then the tile's 16 `d`): w = d * code, the
- * float the dequantized table held, so no float32 copy of the table is kept. */
-static void embed_row(const nls_model *m, int64_t token, float *out) {
-    const int H = m->hidden;
-    if (m->embed_kind != KIND_Q8) {
-        memcpy(out, (const float *)m->embed + token * H, sizeof(float) * (size_t)H);
+/* Whether an embedding table of `kind` with rows of `hidden` can be looked up: float32 (0), or
+ * the tiled blocks of a kind the kernels run (KIND_Q4, KIND_Q8, a K-quant kind). */
+static bool embed_kind_ok(int kind, int64_t hidden) {
+    return kind == 0 || ((kind == KIND_Q4 || kind == KIND_Q8 || kq_kind_bits(kind)) && hidden > 0 && hidden % QK == 0);
+}
+
+/* Row `token` of an embedding table of `kind` into `out` [hidden]. A table in blocks is read
+ * in the tiled layout of the kernels (token = output o of tile token / TILE) and only this row
+ * is dequantized: KIND_Q8 (in each block of 32, byte 32 p + 2 o + i is the code of input
+ * 2 p + i, then the tile's 16 `d`): w = d * code; KIND_Q4 (byte 32 g + 2 o + i holds input
+ * 2 g + i in its low nibble and 16 + 2 g + i in its high one, then 16 `d` and 16 `m`):
+ * w = d * code + m; the K-quant kinds: `nls_kq_dequant_row` (kquant_cpu.c). Each product is
+ * exact in float32, so each row is the float the dequantized table held (one rounding at
+ * most, the add, as the gguf package's dequantization rounds it): no float32 copy of the
+ * table is kept. */
+static void embed_table_row(int kind, const void *table, int64_t H, int64_t token, float *out) {
+    if (kind == 0) {
+        memcpy(out, (const float *)table + token * H, sizeof(float) * (size_t)H);
         return;
     }
-    const int64_t nb = H / QK, tile_bytes = tile_block_bytes(KIND_Q8);
+    if (kq_kind_bits(kind)) {
+        nls_kq_dequant_row(kq_kind_bits(kind), (const uint8_t *)table, H, token, out);
+        return;
+    }
+    const int64_t nb = H / QK, tile_bytes = tile_block_bytes(kind);
     const int o = (int)(token % TILE);
-    const uint8_t *tile = (const uint8_t *)m->embed + (token / TILE) * nb * tile_bytes;
+    const uint8_t *tile = (const uint8_t *)table + (token / TILE) * nb * tile_bytes;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tile_bytes;
+        float *row = out + b * QK;
         uint16_t half;
-        memcpy(&half, tb + 512 + 2 * o, sizeof half);
+        if (kind == KIND_Q8) {
+            memcpy(&half, tb + 512 + 2 * o, sizeof half);
+            const float d = _cvtsh_ss(half);
+            for (int p = 0; p < QK / 2; p++)
+                for (int i = 0; i < 2; i++) row[2 * p + i] = d * (float)(int8_t)tb[32 * p + 2 * o + i];
+            continue;
+        }
+        memcpy(&half, tb + 256 + 2 * o, sizeof half);
         const float d = _cvtsh_ss(half);
-        for (int p = 0; p < QK / 2; p++)
-            for (int i = 0; i < 2; i++) out[b * QK + 2 * p + i] = d * (float)(int8_t)tb[32 * p + 2 * o + i];
+        memcpy(&half, tb + 288 + 2 * o, sizeof half);
+        const float mq = _cvtsh_ss(half);
+        for (int g = 0; g < QK / 4; g++)
+            for (int i = 0; i < 2; i++) {
+                const uint8_t byte = tb[32 * g + 2 * o + i];
+                row[2 * g + i] = d * (float)(byte & 15) + mq;
+                row[16 + 2 * g + i] = d * (float)(byte >> 4) + mq;
+            }
     }
+}
+
+static void embed_row(const nls_model *m, int64_t token, float *out) {
+    embed_table_row(m->embed_kind, m->embed, m->hidden, token, out);
+}
+
+/* out[t * hidden ..] = row tokens[t] of an embedding table of `kind` [vocab, hidden] (the
+ * decode step's lookup, for the tests and any caller that wants rows without a step): 0, or
+ * NLS_BAD_SHAPE (a kind or width it cannot read), NLS_BAD_TOKEN (a token not in [0, vocab)). */
+int nls_embed_rows(int kind, const void *table, int64_t vocab, int64_t hidden, const int64_t *tokens,
+                   int64_t num_tokens, float *out) {
+    if (!embed_kind_ok(kind, hidden) || vocab < 0 || num_tokens < 0) return NLS_BAD_SHAPE;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (tokens[t] < 0 || tokens[t] >= vocab) return NLS_BAD_TOKEN;
+    for (int64_t t = 0; t < num_tokens; t++) embed_table_row(kind, table, hidden, tokens[t], out + t * hidden);
+    return 0;
 }
 
 static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
@@ -794,8 +838,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
     for (int64_t r = 0; r < num_logits; r++)
         if (logit_rows[r] < 0 || logit_rows[r] >= T) return NLS_BAD_SHAPE;
     if (m->kv_dtype != NLS_KV_F32 && m->kv_dtype != NLS_KV_F16 && m->kv_dtype != NLS_KV_INT8) return NLS_BAD_SHAPE;
-    if ((m->embed_kind != 0 && m->embed_kind != KIND_Q8) || (m->embed_kind == KIND_Q8 && m->hidden % QK))
-        return NLS_BAD_SHAPE;
+    if (!embed_kind_ok(m->embed_kind, m->hidden)) return NLS_BAD_SHAPE;
     if (m->activation != NLS_ACT_SILU && m->activation != NLS_ACT_GELU_TANH) return NLS_BAD_SHAPE;
     for (int l = 0; l < m->num_layers; l++)
         if (m->layers[l].window < 0 || (m->layers[l].attn_out_norm == NULL) != (m->layers[l].mlp_out_norm == NULL))

@@ -363,3 +363,26 @@ int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const flo
     }
     return 0;
 }
+
+/* ------------------------------------------------ one row dequantized (the embedding) -- */
+
+/* Row `row` of W (`bits`-bit codes, the layout above) as floats: d * (sc_h (q - off)) + dm mn
+ * per weight, the decode step's embedding lookup in a table of these types (gguf_cpu.c's
+ * embed_row). sc_h (q - off) is an integer below 2^13 and d a float16, so the first product
+ * is exact in float32, as is dm mn: the one rounding is the add, as in the gguf package's
+ * dequantization of the file's blocks (the oracle), so the row is the dequantized table's. */
+void nls_kq_dequant_row(int bits, const uint8_t *w, int64_t in, int64_t row, float *out) {
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK;
+    const uint8_t *tile = w + (row / TILE) * nb * tb_bytes;
+    const int o = (int)(row % TILE);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
+        const int off = tail[KQ_OFF + o];
+        const float d = half_to_float(tail + KQ_D + 2 * o);
+        const float m = half_to_float(tail + KQ_DM + 2 * o) * (float)tail[KQ_MN + o];
+        for (int j = 0; j < QK; j++) {
+            const int sc = (int8_t)tail[16 * (j >= 16) + o];
+            out[b * QK + j] = d * (float)(sc * (kq_code(tb, bits, o, j) - off)) + m;
+        }
+    }
+}

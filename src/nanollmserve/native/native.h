@@ -31,6 +31,9 @@ int64_t nls_kq_tile_block_bytes(int bits);
  * `acc`: this thread's room for 16 floats a row. */
 void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y);
+/* out[in] = row `row` of W (kquant_cpu.c's layout of `bits`-bit codes) dequantized,
+ * d * sc * (q - off) + dm * mn per weight: the decode step's embedding lookup in such a table. */
+void nls_kq_dequant_row(int bits, const uint8_t *w, int64_t in, int64_t row, float *out);
 
 /* 0 when this process may use AMX tiles: Linux grants the tile state per process, and the
  * `amx` build asks for it (amx_cpu.c); other builds have nothing to ask and answer 0. */
@@ -105,7 +108,9 @@ typedef struct {
     int32_t max_context;
     int32_t num_blocks;   /* blocks in each layer's K/V cache: the block ids in range */
     int32_t kv_dtype;     /* NLS_KV_F32, NLS_KV_F16 or NLS_KV_INT8 (native.h) */
-    int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; KIND_Q8: tiled Q8 rows (lm_head's layout) */
+    int32_t embed_kind;   /* 0: `embed` is float32 [vocab, hidden]; else the kind of the tiled blocks it is
+                           * (KIND_Q4, KIND_Q8 or a K-quant kind, the layout of a linear weight of that
+                           * kind: the lm_head's own when tied), each looked-up row dequantized */
     int32_t activation;   /* the gated MLP's: NLS_ACT_SILU or NLS_ACT_GELU_TANH */
     float eps, attn_scale;
     float embed_scale;    /* the looked-up embeddings are multiplied by it (Gemma: sqrt(hidden)); 1: none */

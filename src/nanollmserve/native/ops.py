@@ -270,6 +270,41 @@ def kquant_matmul(
     return out
 
 
+# ------------------------------------------------------------- the embedding lookup --
+
+_signature("nls_embed_rows", [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr], _int)
+
+
+def embed_rows(kind: int, table: torch.Tensor, vocab: int, ids: torch.Tensor) -> torch.Tensor:
+    """The decode step's embedding lookup (`embed_row` of gguf_cpu.c): float32 rows
+    [len(ids), hidden] of a table of `kind`: 0, float32 [vocab, hidden]; else the tiled blocks
+    of a linear weight of that kind (uint8 [ceil(vocab / 16), hidden / 32, tile-block bytes],
+    `GGUFEmbedding.tiles`), only the looked-up rows dequantized."""
+    op = "embedding lookup"
+    if kind == 0:
+        _check_tensor(op, "table", table, torch.float32, 2)
+        hidden = table.shape[1]
+    else:
+        _check_tensor(op, "table", table, torch.uint8, 3)
+        hidden = table.shape[1] * BLOCK_SIZE
+        expected = (-(-vocab // TILE_OUTPUTS), table.shape[1], TILE_BLOCK_BYTES.get(kind))
+        if tuple(table.shape) != expected:
+            raise ValueError(f"{op}: tiles {list(table.shape)} do not hold a kind {kind} table")
+    if table.shape[0] < (vocab if kind == 0 else 1) or not table.is_contiguous():
+        raise ValueError(f"{op}: table {list(table.shape)} does not hold {vocab} rows")
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), hidden)
+    status = _library().nls_embed_rows(
+        kind, table.data_ptr(), vocab, hidden, ids.data_ptr(), ids.numel(), out.data_ptr()
+    )
+    reasons = {
+        NLS_BAD_SHAPE: "a kind or width it cannot read",
+        NLS_BAD_TOKEN: "token id outside the vocabulary",
+    }
+    _raise_for(status, op, reasons)
+    return out
+
+
 # -------------------------------------------------------------- paged decode attention --
 
 _signature("nls_paged_decode_attention_workspace_bytes", [_i32, _i32, _i64, _int], _i64)
