@@ -262,13 +262,22 @@ static inline __attribute__((always_inline)) void kq_tile_few_rows(
  * less each output's offset when `sub_off`. The higher bits go in while the codes are still
  * bytes (byte 16 h + 2 o' + i of row g <-> bit 16 h + 2 o' + i of the mask word of pair g or
  * g + 8): each byte tests its bit of the word broadcast (one shuffle, and, compare for 32
- * lanes), then the bytes widen. */
+ * lanes), then the bytes widen. 4-bit codes that lose their offset here (the rows that share
+ * the subtraction) widen per 16-byte half instead: the same codes, faster there (measured). */
 static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
                                                            bool sub_off, __m256i w[16][2]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
                                             3, 3, 3, 3, 3, 3, 3, 3); /* byte j <- the word's byte j / 8 */
     const __m256i bit_of = _mm256_set1_epi64x((int64_t)0x8040201008040201); /* byte j: 1 << j % 8 */
+    if (bits == 4 && sub_off) {
+        for (int g = 0; g < 8; g++)
+            for (int h = 0; h < 2; h++) {
+                const __m128i c = _mm_loadu_si128((const __m128i *)(tb + 32 * g + 16 * h));
+                w[g][h] = _mm256_cvtepu8_epi16(_mm_and_si128(c, _mm256_castsi256_si128(low)));
+                w[g + 8][h] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), _mm256_castsi256_si128(low)));
+            }
+    } else
     for (int g = 0; g < 8; g++) {
         const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
         __m256i q[2] = {_mm256_and_si256(c, low), _mm256_and_si256(_mm256_srli_epi16(c, 4), low)}; /* pairs g, g + 8 */
