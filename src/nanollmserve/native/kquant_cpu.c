@@ -14,10 +14,18 @@
  * So one kernel runs them all (`bits` of the widest code, `off` per output), with the
  * activations of today's block kernels (gguf_cpu.c): each row quantized per block of 32 to
  * int16 with one float scale dx and its exact sum sx.
- * A block's product for output o is d dx S + dm mn sx, S = sum (sc_h (q - off)) xq, an integer:
- * the sub-scale is multiplied into the widened 16-bit codes once per tile-block (|sc (q - off)|
- * <= 4096 for Q6_K, 1953 for Q5_K), so S is exact in int32 when summed as two accumulators of
- * 8 input pairs each (8 x 2 x 4096 x 32767 < 2^31) that are converted to float before adding.
+ * A block's product for output o is dx (S_0 d sc_0 + S_1 d sc_1) + dm mn sx, with
+ * S_h = sum (q - off) xq over the block's half h (inputs 16 h .. 16 h + 15), an integer exact
+ * in int32 (|S_h| <= 255 * 32767 * 16 < 2^31); d sc_h is exact in float (11 times 8 bits), so
+ * the roundings are: each S_h to float (exact below 2^24, as every type's own codes give),
+ * S_0 d sc_0, then the fused multiply-adds t = fma(S_1, d sc_1, S_0 d sc_0),
+ * acc = fma(t, dx, acc) and acc = fma(dm mn, sx, acc) (dm mn rounded once). The sub-scales
+ * never meet the codes: the vector kernels widen the codes to int16 and take S_h either from
+ * the codes less their offset (all rows of a tile-block share the subtraction) or, for one or
+ * two rows, from the raw codes as A_h - off X_h (X_h: the row's sum of xq over the half,
+ * `kq_half_sums`), skipping the 16 subtractions a block for the integers; the same integers,
+ * then the same float steps, so a row's numbers do not depend on how many rows ran with it.
+ * The C twin sums S_h the same way and the float steps in plain C (maybe not fused).
  *
  * Weights are tiled as today's: 16 outputs at a time, each tile's blocks of 32 inputs in order,
  * a tile-block (kq_tile_block_bytes(bits)) being
@@ -25,8 +33,8 @@
  *              input 16 + 2 g + i in its high one (low 4 bits of each code; gguf_cpu.c's Q4);
  *   hi[bits-4][16] uint32: bit 2 o + i of word p is bit 4 + k of output o's code for input
  *              2 p + i (p < 8) or 16 + 2 (p - 8) + i: the lanes of the widened pair p;
- *   sc[2][16]  int8: sc[h][o] = output o's sub-scale of inputs 16 h .. 16 h + 15 (widened to
- *              the lanes 2 o + i in registers);
+ *   sc[2][16]  int8: sc[h][o] = output o's sub-scale of inputs 16 h .. 16 h + 15 (times d, in
+ *              float, per output lane in registers);
  *   d[16], dm[16] float16; mn[16] uint8; off[16] uint8: output o's code offset.
  * The offset is per output so that one weight may fuse rows of different types (a Q4_K_M
  * file's Q4_K attn_q and Q6_K attn_v), the codes at the widest part's bits.
@@ -112,14 +120,12 @@ int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
-                int32_t s = 0;
+                int32_t s[2] = {0, 0};
                 const int off = tail[KQ_OFF + ot];
-                for (int j = 0; j < QK; j++) {
-                    const int sc = (int8_t)tail[16 * (j >= 16) + ot];
-                    s += sc * (kq_code(tb, bits, ot, j) - off) * xq[b * QK + j];
-                }
+                for (int j = 0; j < QK; j++) s[j >= 16] += (kq_code(tb, bits, ot, j) - off) * xq[b * QK + j];
                 const float d = half_to_float(tail + KQ_D + 2 * ot), dm = half_to_float(tail + KQ_DM + 2 * ot);
-                acc += d * dx[b] * (float)s + dm * (float)tail[KQ_MN + ot] * sx[b];
+                const float t = (float)s[0] * (d * (float)(int8_t)tail[ot]) + (float)s[1] * (d * (float)(int8_t)tail[16 + ot]);
+                acc += t * dx[b] + dm * (float)tail[KQ_MN + ot] * sx[b];
             }
             y[r * out + o] = acc;
         }
@@ -130,17 +136,22 @@ int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const
 
 /* ------------------------------------------------------------------- vector kernels -- */
 
+/* Each row's sums of its int16 codes over each half of each block, xs[2 (r nb + b) + h]:
+ * what a block's raw-code products need to take the offset out, S_h = A_h - off X_h. */
+static void kq_half_sums(const int16_t *xq, int64_t in, int64_t rows, int32_t *xs) {
+    for (int64_t h = 0; h < rows * in / 16; h++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += xq[16 * h + j];
+        xs[h] = s;
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* A tile-block's codes as 16 vectors of 32 int16 lanes (lane 2 o + i: output o, input i of
- * pair p), the sub-scale multiplied in. */
+ * pair p): raw, or less each output's offset when `sub_off`. */
 static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
-                                                           __m512i w[16]) {
+                                                           bool sub_off, __m512i w[16]) {
     const __m512i low = _mm512_set1_epi16(0x0F);
-    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o + i: off[o] */
-    const __m512i offset = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(off, off), _mm_unpacklo_epi8(off, off)));
-    const __m128i s0 = _mm_loadu_si128((const __m128i *)tail), s1 = _mm_loadu_si128((const __m128i *)(tail + 16));
-    const __m512i sc0 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s0, s0), _mm_unpacklo_epi8(s0, s0)));
-    const __m512i sc1 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(s1, s1), _mm_unpacklo_epi8(s1, s1)));
     for (int g = 0; g < 8; g++) {
         const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tb + 32 * g)));
         w[g] = _mm512_and_si512(c, low);
@@ -149,30 +160,52 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
     for (int k = 0; k < bits - 4; k++) {
         const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * k);
         const __m512i bit = _mm512_set1_epi16((int16_t)(16 << k));
-        for (int p = 0; p < 16; p++) w[p] = _mm512_or_si512(w[p], _mm512_maskz_mov_epi16(hi[p], bit));
+        for (int p = 0; p < 16; p++) w[p] = _mm512_mask_add_epi16(w[p], hi[p], w[p], bit);
     }
-    for (int p = 0; p < 16; p++) w[p] = _mm512_mullo_epi16(_mm512_sub_epi16(w[p], offset), p < 8 ? sc0 : sc1);
+    if (sub_off) {
+        const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o + i: off[o] */
+        const __m512i offset = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(off, off), _mm_unpacklo_epi8(off, off)));
+        for (int p = 0; p < 16; p++) w[p] = _mm512_sub_epi16(w[p], offset);
+    }
 }
 
-/* A tile-block's `d` and `dm mn` per output (lanes 0..15). */
-static inline __attribute__((always_inline)) void kq_block_scales(const uint8_t *tail, __m512 *dw, __m512 *mw) {
-    *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
-    *mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
-                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
+/* A tile-block's per-output numbers (lanes 0..15): d sc_0, d sc_1 (exact in float: an 11-bit
+ * times an 8-bit integer), dm mn, and off. */
+typedef struct {
+    __m512 ds0, ds1, mw;
+    __m512i off;
+} kq_scales;
+
+static inline __attribute__((always_inline)) kq_scales kq_block_scales(const uint8_t *tail) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
+    kq_scales s;
+    s.ds0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)tail))));
+    s.ds1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tail + 16)))));
+    s.mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
+    s.off = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_OFF)));
+    return s;
 }
 
-/* One row's block product added to its 16 sums `acc`: d dx S + dm mn sx (S exact in int32,
- * two accumulators of 8 pairs). Every kernel of this build runs a row through this one, so a
- * row's numbers do not depend on which kernel (or how many rows) ran it. */
-static inline __attribute__((always_inline)) __m512 kq_row_block(const __m512i w[16], __m512 dw, __m512 mw,
-                                                                  const int32_t *xp, float dxb, float sxb, __m512 acc) {
+/* One row's block product added to its 16 sums `acc`: S_h = sum over half h of (q - off) xq,
+ * exact in int32, from codes less their offset (`raw` false) or from raw codes and the half
+ * sums `xs` (A_h - off X_h, `raw`), the same integers either way; then
+ * acc + dx (S_0 d sc_0 + S_1 d sc_1) + dm mn sx in float. So a row's numbers do not depend
+ * on which kernel (or how many rows) ran it. */
+static inline __attribute__((always_inline)) __m512 kq_row_block(const __m512i w[16], const kq_scales *s, bool raw,
+                                                                  const int32_t *xp, const int32_t *xs, float dxb,
+                                                                  float sxb, __m512 acc) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-    for (int p = 0; p < 16; p += 2) {
+    for (int p = 0; p < 8; p++) {
         a0 = _mm512_dpwssd_epi32(a0, w[p], _mm512_set1_epi32(xp[p]));
-        a1 = _mm512_dpwssd_epi32(a1, w[p + 1], _mm512_set1_epi32(xp[p + 1]));
+        a1 = _mm512_dpwssd_epi32(a1, w[p + 8], _mm512_set1_epi32(xp[p + 8]));
     }
-    const __m512 s = _mm512_add_ps(_mm512_cvtepi32_ps(a0), _mm512_cvtepi32_ps(a1));
-    return _mm512_fmadd_ps(mw, _mm512_set1_ps(sxb), _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dxb)), s, acc));
+    if (raw) {
+        a0 = _mm512_sub_epi32(a0, _mm512_mullo_epi32(s->off, _mm512_set1_epi32(xs[0])));
+        a1 = _mm512_sub_epi32(a1, _mm512_mullo_epi32(s->off, _mm512_set1_epi32(xs[1])));
+    }
+    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), s->ds1, _mm512_mul_ps(_mm512_cvtepi32_ps(a0), s->ds0));
+    return _mm512_fmadd_ps(s->mw, _mm512_set1_ps(sxb), _mm512_fmadd_ps(t, _mm512_set1_ps(dxb), acc));
 }
 
 static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
@@ -182,12 +215,11 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m512i w[16];
-        __m512 dw, mw;
-        kq_widen(tb, bits, tail, w);
-        kq_block_scales(tail, &dw, &mw);
+        kq_widen(tb, bits, tail, true, w);
+        const kq_scales s = kq_block_scales(tail);
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
-            _mm512_storeu_ps(acc + 16 * r, kq_row_block(w, dw, mw, xp, dx[r * nb + b], sx[r * nb + b],
+            _mm512_storeu_ps(acc + 16 * r, kq_row_block(w, &s, false, xp, NULL, dx[r * nb + b], sx[r * nb + b],
                                                         _mm512_loadu_ps(acc + 16 * r)));
         }
     }
@@ -196,25 +228,28 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
 /* A few rows against one tile with every row's 16 sums in registers across the blocks (the
  * tile-block widened once per block for them all): each row through kq_row_block as in
  * kq_tile_rows, so the same numbers, without its accumulator loads and stores (gguf_cpu.c's
- * tile_times_few_rows does the same for the legacy kinds). `ROWS` is a compile-time constant
- * at each call, so the row loops unroll. */
+ * tile_times_few_rows does the same for the legacy kinds). `RAW` (up to KQ_RAW_ROWS rows,
+ * `xs` given): the codes are not offset, each row takes the offset out of its two sums
+ * instead (cheaper than 16 subtractions a block for one or two rows). `ROWS` and `RAW` are
+ * compile-time constants at each call, so the row loops unroll. */
 #define KQ_FEW_ROWS 5
+#define KQ_RAW_ROWS 2
 #define KQ_HAS_FEW_ROWS 1
 static inline __attribute__((always_inline)) void kq_tile_few_rows(
     const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in, const int16_t *xq,
-    const float *dx, const float *sx, const int ROWS, float *y, int64_t ldy, int valid) {
+    const float *dx, const float *sx, const int32_t *xs, const int ROWS, const bool RAW, float *y, int64_t ldy,
+    int valid) {
     __m512 acc[KQ_FEW_ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m512i w[16];
-        __m512 dw, mw;
-        kq_widen(tb, bits, tail, w);
-        kq_block_scales(tail, &dw, &mw);
+        kq_widen(tb, bits, tail, !RAW, w);
+        const kq_scales s = kq_block_scales(tail);
         for (int r = 0; r < ROWS; r++)
-            acc[r] = kq_row_block(w, dw, mw, (const int32_t *)(xq + r * in + b * QK), dx[r * nb + b],
-                                  sx[r * nb + b], acc[r]);
+            acc[r] = kq_row_block(w, &s, RAW, (const int32_t *)(xq + r * in + b * QK), RAW ? xs + 2 * (r * nb + b) : NULL,
+                                  dx[r * nb + b], sx[r * nb + b], acc[r]);
     }
     for (int r = 0; r < ROWS; r++) {
         float total[TILE];
@@ -223,68 +258,106 @@ static inline __attribute__((always_inline)) void kq_tile_few_rows(
     }
 }
 #else
-/* AVX2: outputs 0..7 and 8..15 of pair p in w[p][0] and w[p][1] (lanes 2 o' + i). */
+/* AVX2: outputs 0..7 and 8..15 of pair p in w[p][0] and w[p][1] (lanes 2 o' + i): raw, or
+ * less each output's offset when `sub_off`. The higher bits go in while the codes are still
+ * bytes (byte 16 h + 2 o' + i of row g <-> bit 16 h + 2 o' + i of the mask word of pair g or
+ * g + 8): each byte tests its bit of the word broadcast (one shuffle, and, compare for 32
+ * lanes), then the bytes widen. 4-bit codes that lose their offset here (the rows that share
+ * the subtraction) widen per 16-byte half instead: the same codes, faster there (measured). */
 static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
-                                                           __m256i w[16][2]) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o' + i: off[8 h + o'] */
-    const __m256i offsets[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(off, off)),
-                                _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(off, off))};
-    const __m256i lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                                16384, (int16_t)0x8000);
-    for (int g = 0; g < 8; g++)
-        for (int h = 0; h < 2; h++) {
-            const __m128i c = _mm_loadu_si128((const __m128i *)(tb + 32 * g + 16 * h));
-            w[g][h] = _mm256_cvtepu8_epi16(_mm_and_si128(c, low));
-            w[g + 8][h] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), low));
-        }
-    for (int k = 0; k < bits - 4; k++) {
-        const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * k);
-        const __m256i bit = _mm256_set1_epi16((int16_t)(16 << k));
-        for (int p = 0; p < 16; p++)
+                                                           bool sub_off, __m256i w[16][2]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            3, 3, 3, 3, 3, 3, 3, 3); /* byte j <- the word's byte j / 8 */
+    const __m256i bit_of = _mm256_set1_epi64x((int64_t)0x8040201008040201); /* byte j: 1 << j % 8 */
+    if (bits == 4 && sub_off) {
+        for (int g = 0; g < 8; g++)
             for (int h = 0; h < 2; h++) {
-                const __m256i m = _mm256_set1_epi16((int16_t)(hi[p] >> (16 * h)));
-                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(m, lane_bits), lane_bits);
-                w[p][h] = _mm256_or_si256(w[p][h], _mm256_and_si256(set, bit));
+                const __m128i c = _mm_loadu_si128((const __m128i *)(tb + 32 * g + 16 * h));
+                w[g][h] = _mm256_cvtepu8_epi16(_mm_and_si128(c, _mm256_castsi256_si128(low)));
+                w[g + 8][h] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), _mm256_castsi256_si128(low)));
             }
-    }
-    for (int p = 0; p < 16; p++)
-        for (int h = 0; h < 2; h++) {
-            const __m128i s = _mm_loadl_epi64((const __m128i *)(tail + 16 * (p >= 8) + 8 * h));
-            const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s)); /* lane 2 o' + i: sc[8 h + o'] */
-            w[p][h] = _mm256_mullo_epi16(_mm256_sub_epi16(w[p][h], offsets[h]), sc);
+    } else
+    for (int g = 0; g < 8; g++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(tb + 32 * g));
+        __m256i q[2] = {_mm256_and_si256(c, low), _mm256_and_si256(_mm256_srli_epi16(c, 4), low)}; /* pairs g, g + 8 */
+        for (int k = 0; k < bits - 4; k++) {
+            const __m256i bit = _mm256_set1_epi8((char)(16 << k));
+            for (int s = 0; s < 2; s++) {
+                uint32_t word;
+                memcpy(&word, tb + 256 + 64 * k + 4 * (g + 8 * s), sizeof word);
+                const __m256i m = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)word), spread), bit_of);
+                q[s] = _mm256_or_si256(q[s], _mm256_and_si256(_mm256_cmpeq_epi8(m, bit_of), bit));
+            }
         }
+        for (int s = 0; s < 2; s++) {
+            w[g + 8 * s][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[s]));
+            w[g + 8 * s][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[s], 1));
+        }
+    }
+    if (sub_off) {
+        const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o' + i: off[8 h + o'] */
+        const __m256i offsets[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(off, off)),
+                                    _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(off, off))};
+        for (int p = 0; p < 16; p++)
+            for (int h = 0; h < 2; h++) w[p][h] = _mm256_sub_epi16(w[p][h], offsets[h]);
+    }
 }
 
-static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
-                         const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
+/* Each row through the same steps whatever `raw` (as the AVX-512 kq_row_block: S_h exact
+ * in int32 from offset codes, or from raw codes less off X_h, then the same float sums).
+ * `raw` (a constant at each call) for the few rows nls_kq_matmul_shared gives `xs`. */
+static inline __attribute__((always_inline)) void kq_tile_rows_with(
+    const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in, const int16_t *xq, const float *dx,
+    const float *sx, const int32_t *xs, const bool raw, int64_t rows, float *acc) {
     memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
         _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
         __m256i w[16][2];
-        kq_widen(tb, bits, tail, w);
-        __m256 dw[2], mw[2];
+        kq_widen(tb, bits, tail, !raw, w);
+        __m256 ds0[2], ds1[2], mw[2];
+        __m256i off[2];
         for (int h = 0; h < 2; h++) {
-            dw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_D + 16 * h)));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_D + 16 * h)));
+            ds0[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 8 * h)))));
+            ds1[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 16 + 8 * h)))));
             mw[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_DM + 16 * h))),
                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + KQ_MN + 8 * h)))));
+            off[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + KQ_OFF + 8 * h)));
         }
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
             for (int h = 0; h < 2; h++) {
                 __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-                for (int p = 0; p < 16; p += 2) {
+                for (int p = 0; p < 8; p++) {
                     a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w[p][h], _mm256_set1_epi32(xp[p])));
-                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w[p + 1][h], _mm256_set1_epi32(xp[p + 1])));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w[p + 8][h], _mm256_set1_epi32(xp[p + 8])));
                 }
-                const __m256 s = _mm256_add_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1));
+                if (raw) {
+                    const int32_t *x2 = xs + 2 * (r * nb + b);
+                    a0 = _mm256_sub_epi32(a0, _mm256_mullo_epi32(off[h], _mm256_set1_epi32(x2[0])));
+                    a1 = _mm256_sub_epi32(a1, _mm256_mullo_epi32(off[h], _mm256_set1_epi32(x2[1])));
+                }
+                const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), ds1[h], _mm256_mul_ps(_mm256_cvtepi32_ps(a0), ds0[h]));
                 float *a = acc + 16 * r + 8 * h;
-                __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(dw[h], _mm256_set1_ps(dx[r * nb + b])), s, _mm256_loadu_ps(a));
+                const __m256 y = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[r * nb + b]), _mm256_loadu_ps(a));
                 _mm256_storeu_ps(a, _mm256_fmadd_ps(mw[h], _mm256_set1_ps(sx[r * nb + b]), y));
             }
         }
     }
+}
+
+#define KQ_RAW_ROWS 2
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
+                         const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
+    kq_tile_rows_with(tile, nb, tb_bytes, bits, in, xq, dx, sx, NULL, false, rows, acc);
+}
+
+static void kq_tile_rows_raw(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
+                             const int16_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t rows,
+                             float *acc) {
+    kq_tile_rows_with(tile, nb, tb_bytes, bits, in, xq, dx, sx, xs, true, rows, acc);
 }
 #define KQ_HAS_FEW_ROWS 0
 #endif
@@ -303,9 +376,10 @@ int64_t nls_kq_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads)
 
 /* Tile `t` against `rows` quantized rows -> y[r * out + t * 16 + j], j < the tile's valid
  * outputs: up to 2 * KQ_FEW_ROWS rows in register groups (AVX-512), more through `acc`
- * (16 floats a row). */
+ * (16 floats a row); `xs` (the rows' half sums, or NULL) lets up to KQ_RAW_ROWS rows skip
+ * the offset codes. */
 static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t in, const int16_t *xq,
-                    const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
+                    const float *dx, const float *sx, const int32_t *xs, int64_t rows, float *acc, float *y) {
     const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK;
     const uint8_t *tile = w + t * nb * tb_bytes;
     const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
@@ -315,29 +389,45 @@ static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t 
             const int64_t left = rows - r0, group = left > KQ_FEW_ROWS ? (left + 1) / 2 : left;
             const int16_t *x = xq + r0 * in;
             const float *d = dx + r0 * nb, *s = sx + r0 * nb;
+            const int32_t *h = xs ? xs + 2 * r0 * nb : NULL;
             float *yt = y + r0 * out + t * TILE;
-            switch (group) {
-            case 1: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 1, yt, out, valid); break;
-            case 2: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 2, yt, out, valid); break;
-            case 3: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 3, yt, out, valid); break;
-            case 4: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 4, yt, out, valid); break;
-            default: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, 5, yt, out, valid); break;
+            if (h && group <= KQ_RAW_ROWS) {
+                if (group == 1) kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, h, 1, true, yt, out, valid);
+                else kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, h, 2, true, yt, out, valid);
+            } else {
+                switch (group) {
+                case 1: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 1, false, yt, out, valid); break;
+                case 2: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 2, false, yt, out, valid); break;
+                case 3: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 3, false, yt, out, valid); break;
+                case 4: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 4, false, yt, out, valid); break;
+                default: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 5, false, yt, out, valid); break;
+                }
             }
             r0 += group;
         }
         return;
     }
+#else
+    if (xs && rows <= KQ_RAW_ROWS) kq_tile_rows_raw(tile, nb, tb_bytes, bits, in, xq, dx, sx, xs, rows, acc);
+    else
 #endif
     kq_tile_rows(tile, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
 }
 
+/* The tiles shared among the threads of the enclosing parallel region (an orphaned
+ * work-sharing loop, ending in a barrier). Up to KQ_RAW_ROWS rows, each thread first sums
+ * the rows' halves for itself (a few microseconds; without memory it runs the offset codes,
+ * the same numbers). */
 void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
     const int64_t tiles = (out + TILE - 1) / TILE;
+    int32_t *xs = rows <= KQ_RAW_ROWS ? malloc(sizeof(int32_t) * (size_t)(rows * in / 16)) : NULL;
+    if (xs) kq_half_sums(xq, in, rows, xs);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) kq_tile(bits, w, t, out, in, xq, dx, sx, rows, acc, y);
+    for (int64_t t = 0; t < tiles; t++) kq_tile(bits, w, t, out, in, xq, dx, sx, xs, rows, acc, y);
+    free(xs);
 }
 
 /* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..8: the widest code).
