@@ -30,6 +30,7 @@ from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.model.gguf_blocks import EMBEDDING, _block_rows
 from nanollmserve.model.gguf_kquants import KQUANT_TYPES, read_kquant_rows
 from nanollmserve.native.abi import KIND_Q8, kquant_kind
+from nanollmserve.native.build import isa_level
 
 pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(600)]
 
@@ -75,12 +76,13 @@ def native_mismatches() -> dict[str, float]:
 
 
 @pytest.mark.milestone("m31")
-@pytest.mark.parametrize("isa", isa_levels())
+@pytest.mark.parametrize(
+    "isa",  # another ISA level's process (~8 s) runs in `make test-slow`
+    [pytest.param(i, marks=() if i == isa_level() else pytest.mark.slow) for i in isa_levels()],
+)
 def test_the_native_lookup_reads_each_types_rows_as_the_oracle(isa: str) -> None:
     """This process's own ISA level here; another in a process of its own (the library is
     chosen once per process)."""
-    from nanollmserve.native.build import isa_level
-
     if isa == isa_level():
         assert native_mismatches() == dict.fromkeys(TYPES, 0.0)
         return
