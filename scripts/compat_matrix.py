@@ -281,7 +281,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ),
     ("structured", "embed"): refused(
         UNRECOGNIZED.format("response_format"),
-        EMBEDDINGS + "test_hostile_requests_are_400_naming_the_field[27]",
+        EMBEDDINGS + "test_hostile_requests_are_400_naming_the_field[response_format]",
         note="Nothing is generated to constrain: a 400 naming `response_format`.",
     ),
     ("grpc", "embed"): refused(
