@@ -12,17 +12,11 @@ and the one rounding is the add, as in the `gguf` package's dequantization (the 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from test_kquant_kernels import LEGACY, isa_levels, oracle, random_blocks
+from test_kquant_kernels import LEGACY, at_isa, isa_levels, oracle, random_blocks
 from test_model_loading import write_tiny_gguf
 
 from nanollmserve import SamplingParams
@@ -86,17 +80,8 @@ def test_the_native_lookup_reads_each_types_rows_as_the_oracle(isa: str) -> None
     if isa == isa_level():
         assert native_mismatches() == dict.fromkeys(TYPES, 0.0)
         return
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_gguf_embedding as t; "
-        "print(json.dumps(t.native_mismatches()))"
-    )
-    env = {**os.environ, "NANOLLMSERVE_CPU_ISA": isa}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent)],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == dict.fromkeys(TYPES, 0.0)
+    mismatches = at_isa(isa, "test_gguf_embedding", "native_mismatches", 300)
+    assert mismatches == dict.fromkeys(TYPES, 0.0)
 
 
 def float32_tables(model) -> list[str]:

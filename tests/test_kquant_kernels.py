@@ -130,20 +130,26 @@ def isa_levels() -> list[str]:
     return levels
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("isa", isa_levels())
-def test_every_kernel_agrees_with_the_oracle(isa: str) -> None:
+def at_isa(isa: str, module: str, function: str, timeout: float):
+    """`module.function()` (a test module's, JSON-able) run in a process of its own with
+    NANOLLMSERVE_CPU_ISA=isa: the native library is chosen once per process."""
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_kquant_kernels as t; "
-        "print(json.dumps(t.kernel_errors()))"
+        f"import json, sys; sys.path.insert(0, sys.argv[1]); import {module} as t; "
+        f"print(json.dumps(t.{function}()))"
     )
     env = {**os.environ, "NANOLLMSERVE_CPU_ISA": isa}
     proc = subprocess.run(
         [sys.executable, "-c", code, str(Path(__file__).parent)],
-        capture_output=True, text=True, timeout=540, env=env, check=False,
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("isa", isa_levels())
+def test_every_kernel_agrees_with_the_oracle(isa: str) -> None:
+    results = at_isa(isa, "test_kquant_kernels", "kernel_errors", 540)
     assert len(results) == (len(KQUANT_TYPES) + len(LEGACY) + 1) * len(ROWS)
     worst = {
         key: value

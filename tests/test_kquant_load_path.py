@@ -17,7 +17,7 @@ from torch import nn
 from nanollmserve import SamplingParams
 from nanollmserve.layers.gguf_linear import GGUFLinear
 from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
-from nanollmserve.model.gguf_kquants import KQuantTiles
+from nanollmserve.model.gguf_kquants import BlockTiles
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.source import resolve_model
 from nanollmserve.native.abi import KIND_Q4, KIND_Q8, kquant_kind
@@ -77,7 +77,7 @@ def test_each_fused_weight_takes_the_layout_of_its_types(mixed_gguf):
     assert kinds[layer1 + "mlp.down_proj.weight"] == KIND_Q8
     assert kinds["lm_head.weight"] == kquant_kind(6)
     assert isinstance(blocks[layer1 + "mlp.down_proj.weight"], BlockRows)
-    assert isinstance(blocks["lm_head.weight"], KQuantTiles)
+    assert isinstance(blocks["lm_head.weight"], BlockTiles)
 
 
 def test_every_linear_runs_its_blocks_with_the_dequantized_models_answers(mixed_gguf, make_llm):

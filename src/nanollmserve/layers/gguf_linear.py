@@ -29,7 +29,6 @@ from torch import nn
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.layers.quantization import WeightOnlyLinear
 from nanollmserve.model.gguf_blocks import BlockRows, BlockTiles, embedding_blocks
-from nanollmserve.model.gguf_kquants import KQuantTiles
 
 
 class GGUFLinear(WeightOnlyLinear):
@@ -38,7 +37,7 @@ class GGUFLinear(WeightOnlyLinear):
 
     def __init__(
         self,
-        blocks: BlockRows | BlockTiles | KQuantTiles,
+        blocks: BlockRows | BlockTiles,
         bias: torch.Tensor | None,
         out_features: int,
         in_features: int,
@@ -68,9 +67,7 @@ class GGUFLinear(WeightOnlyLinear):
         return gguf_matmul(self.kind, self.tiles, self.out_features, x, self.bias)
 
 
-def apply_gguf_blocks(
-    model: nn.Module, blocks: dict[str, BlockRows | BlockTiles | KQuantTiles]
-) -> int:
+def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows | BlockTiles]) -> int:
     """Replace each linear layer whose weight has blocks (weight name -> `BlockRows`) in place,
     the output projection when the file has its blocks, and the input embedding when its table
     is in blocks -> the number of linear layers replaced (the output projection not counted).

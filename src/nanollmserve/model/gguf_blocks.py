@@ -21,7 +21,7 @@ up in those blocks (`layers/gguf_embedding.py`), as a tied one does in the outpu
 
 A fused weight with a part in a K-quant or 5-bit type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) is read
 by `gguf_kquants.py` instead, every part in its own type (legacy parts too), into the K-quant
-kernel's layout (`KQuantTiles`). Tensors of other types (IQ*, TQ*, Q2_K, Q3_K, floats) are not
+kernel's layout (`BlockTiles`). Tensors of other types (IQ*, TQ*, Q2_K, Q3_K, floats) are not
 returned: their modules stay dequantized, and `warn_without_kernel` names them.
 """
 
@@ -41,7 +41,7 @@ from nanollmserve.model.gguf_kquants import (
     KQUANT_TYPES,
     LEGACY_TYPES,
     TYPE_BITS_OFFSET,
-    KQuantTiles,
+    BlockTiles,
     fuse_rows,
     read_kquant_rows,
 )
@@ -92,25 +92,10 @@ def embedding_in_blocks(gguf: GGUFFile, config: ModelConfig) -> bool:
     return not config.tie_word_embeddings or _output_tensor(gguf, config) is table
 
 
-def embedding_blocks(blocks: dict, tied: bool) -> BlockRows | BlockTiles | KQuantTiles | None:
+def embedding_blocks(blocks: dict, tied: bool) -> BlockRows | BlockTiles | None:
     """The blocks `read_gguf_blocks` (or the cache) gives the input embedding, or None (a
     float32 table then): a tied table's are the output projection's."""
     return blocks.get("lm_head.weight") if tied else blocks.get(EMBEDDING)
-
-
-@dataclass(frozen=True)
-class BlockTiles:
-    """One legacy-kind weight already in the native kernels' tiled layout
-    (`BlockRows.tiled()`), as the GGUF cache stores it: `tiles` maps the cache file, so a
-    load copies nothing and the weights are in memory once (the file's pages)."""
-
-    kind: int
-    out_features: int
-    in_features: int
-    tiles: torch.Tensor
-
-    def tiled(self) -> torch.Tensor:
-        return self.tiles
 
 
 @dataclass
@@ -179,12 +164,13 @@ class BlockRows:
         return torch.from_numpy(weights.reshape(out, nb * BLOCK_SIZE))
 
 
-def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRows | KQuantTiles]:
+def read_gguf_blocks(gguf_path: Path, config: ModelConfig) -> dict[str, BlockRows | BlockTiles]:
     """Our weight name -> its blocks laid out for a native kernel, for every linear weight
     whose fused parts all have one: `BlockRows` when they are all Q4_0 / Q4_1 or all Q8_0,
-    else `KQuantTiles` when each is a K-quant, 5-bit or legacy type (else the module stays
-    dequantized); and an untied input embedding table in such a type under `EMBEDDING`, laid
-    out as a linear weight of its type (`GGUFEmbedding` looks its rows up there).
+    else `BlockTiles` in the K-quant layout when each is a K-quant, 5-bit or legacy type
+    (else the module stays dequantized); and an untied input embedding table in such a type
+    under `EMBEDDING`, laid out as a linear weight of its type (`GGUFEmbedding` looks its
+    rows up there).
 
     The file is memory-mapped (`gguf_file.py`) and each legacy weight written once, straight
     from the map into its fused output rows: no per-tensor Python objects beyond the table, no
@@ -280,7 +266,7 @@ def _block_type(tensor: GGUFTensor) -> str | None:
 
 def _fused_blocks(
     gguf: GGUFFile, tensors: list[GGUFTensor], row_heads: list[int | None]
-) -> BlockRows | KQuantTiles:
+) -> BlockRows | BlockTiles:
     """The tensors as one weight: `BlockRows` when they are all of one legacy kind, else each
     read in its own type into the K-quant kernel's layout."""
     kinds = {BLOCK_KINDS.get(_KQUANT_READABLE[t.ggml_type]) for t in tensors}

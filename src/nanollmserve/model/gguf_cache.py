@@ -250,12 +250,10 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
 
 def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
     """The GGUF's quantized linear weights (and an untied embedding table in blocks) in the
-    native kernels' tiled layout (`--quantization gguf`): weight name -> `BlockTiles` or
-    `KQuantTiles`, mapped from `entry`
-    or laid out once and saved there (the layout is the same on every CPU)."""
-    from nanollmserve.model.gguf_blocks import BlockTiles, read_gguf_blocks, warn_without_kernel
-    from nanollmserve.model.gguf_kquants import KQuantTiles
-    from nanollmserve.native.abi import kquant_bits
+    native kernels' tiled layout (`--quantization gguf`): weight name -> `BlockTiles`,
+    mapped from `entry` or laid out once and saved there (the layout is the same on every CPU)."""
+    from nanollmserve.model.gguf_blocks import read_gguf_blocks, warn_without_kernel
+    from nanollmserve.model.gguf_kquants import BlockTiles
 
     warn_without_kernel(gguf_path)
 
@@ -271,11 +269,8 @@ def cached_gguf_blocks(entry: Path, gguf_path: Path, config) -> dict:
     tensors, metadata = _cached_tensors(path, "laying out the quantized blocks", build)
     kinds, shapes = json.loads(metadata["kinds"]), json.loads(metadata["shapes"])
 
-    def blocks(name: str, tensor):  # stored tiled: the layers run the mapped file's bytes
-        tiles = KQuantTiles if kquant_bits(kinds[name]) is not None else BlockTiles
-        return tiles(kinds[name], *shapes[name], tensor)
-
-    return {name: blocks(name, tensor) for name, tensor in tensors.items()}
+    # stored tiled: the layers run the mapped file's bytes
+    return {name: BlockTiles(kinds[name], *shapes[name], t) for name, t in tensors.items()}
 
 
 def cached_unblocked_tensors(entry: Path, gguf_path: Path, config) -> dict:

@@ -22,8 +22,9 @@ along the outputs (q/k/v, gate/up of a Q4_K_M file: Q4_K beside Q6_K) into one: 
 is per output and the codes take the widest part's bits. A tile-block is 384, 448 or 512
 bytes for 4-, 5- and 6-bit codes (6 to 8 bits a weight, against the file's 4.5 to 6.6: the
 per-output scales of every 32-block are spelled out); a fused weight with a Q8_0 part takes
-8-bit codes (640 bytes). `KQuantTiles` is that layout as the linear layers and the GGUF
-cache keep it.
+8-bit codes (640 bytes). `BlockTiles` holds a weight in that layout (or in a legacy kind's
+tiled layout, `gguf_blocks.BlockRows.tiled()`) as the linear layers and the GGUF cache keep
+it.
 """
 
 from __future__ import annotations
@@ -101,10 +102,10 @@ class KQuantRows:
         """The native kind of this layout at these code bits (`native.abi.kquant_kind`)."""
         return kquant_kind(self.bits)
 
-    def to_tiles(self) -> KQuantTiles:
+    def to_tiles(self) -> BlockTiles:
         """The kernel's layout, as the linear layers keep it."""
         out, n = self.codes.shape
-        return KQuantTiles(self.kind, out, n, torch.from_numpy(self.tiled()))
+        return BlockTiles(self.kind, out, n, torch.from_numpy(self.tiled()))
 
     def dequantize(self) -> np.ndarray:
         """float32 [out, in]: the weights these numbers stand for."""
@@ -150,15 +151,18 @@ class KQuantRows:
         return np.ascontiguousarray(np.concatenate(parts, axis=2))
 
 
-@dataclass
-class KQuantTiles:
-    """One weight in kquant_cpu.c's layout, as `GGUFLinear` and the GGUF cache hold it."""
+@dataclass(frozen=True)
+class BlockTiles:
+    """One weight already in a native kernel's tiled layout, any kind (a K-quant kind:
+    `KQuantRows.tiled()`; a legacy one: `gguf_blocks.BlockRows.tiled()`), as `GGUFLinear`
+    and the GGUF cache hold it: a cached weight's `tiles` maps the cache file, so a load
+    copies nothing and the weights are in memory once (the file's pages)."""
 
     kind: int
     out_features: int
     in_features: int
     tiles: torch.Tensor
-    """uint8 [ceil(out / 16), in / 32, tile-block bytes] (`KQuantRows.tiled()`)."""
+    """uint8 [ceil(out / 16), in / 32, the kind's tile-block bytes]."""
 
     def tiled(self) -> torch.Tensor:
         return self.tiles
