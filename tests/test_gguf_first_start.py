@@ -202,3 +202,27 @@ def test_the_hf_baseline_of_a_first_start_gets_the_dense_weights_it_needs(
     ids = torch.tensor([[5, 17, 42, 8, 99]])
     with torch.inference_mode():
         torch.testing.assert_close(baseline(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.timeout(60)
+def test_writing_a_part_removes_its_older_versions_and_nothing_else(tmp_path: Path) -> None:
+    """An upgrade that bumps a part's version rewrites it once; the older files of that part
+    (each as large as the weights) go, the other parts' files and newer versions stay."""
+    import torch
+
+    current = gguf_cache.GGUF_BLOCKS_VERSION
+    kept = [
+        f"gguf-unblocked-v{gguf_cache.UNBLOCKED_VERSION}.safetensors",
+        f"gguf-blocks-v{current + 1}.safetensors",
+        "model.safetensors",
+        "config.json",
+    ]
+    older = [f"gguf-blocks-v{v}.safetensors" for v in range(1, current)]
+    for name in kept + older:
+        (tmp_path / name).write_bytes(b"x")
+    path = tmp_path / f"gguf-blocks-v{current}.safetensors"
+    tensors, _ = gguf_cache._cached_tensors(
+        path, "test", lambda: ({"w": torch.ones(2)}, {"gguf_file": "x.gguf"})
+    )
+    assert tensors["w"].tolist() == [1.0, 1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, path.name])

@@ -22,7 +22,8 @@ identity (path, device, inode, size, mtime and ctime, which no user can set back
 recorded in `gguf-digests/`. A conversion writes into a `.tmp-*` directory or file beside its
 target and renames it into place when complete, so a killed conversion never leaves a
 half-written entry or part; leftover `.tmp-*` directories are skipped and removed by a later
-conversion once they are an hour old.
+conversion once they are an hour old. A part written at a new version (an upgrade that
+changed its layout) deletes that part's older files in the entry, each as large as the weights.
 
 The cache is private (`private_cache.py`): its directories are 0700, its files owner-only, and
 an entry another user could have written is refused, never loaded.
@@ -307,6 +308,20 @@ def _cached_tensors(path: Path, what: str, build) -> tuple[dict, dict]:
                 os.unlink(tmp)
         del tensors  # read back from the map below: never the blocks in memory twice
         logger.info("%s into %s: %.1f s", what, path.name, time.perf_counter() - start)
+        _remove_older_versions(path)
     check_trusted(path)
     with safe_open(path, framework="pt") as f:
         return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}  # noqa: SIM118 (not a dict)
+
+
+def _remove_older_versions(path: Path) -> None:
+    """Delete the entry's files of this part at an older version (`gguf-blocks-v3` beside a
+    new `gguf-blocks-v5`): each is as large as the weights, and no release reads them again,
+    so an upgrade would otherwise leave gigabytes behind per model. A process still mapping
+    one keeps its pages until it exits (unlinking does not unmap)."""
+    prefix, _, current = path.stem.rpartition("-v")
+    for old in path.parent.glob(f"{prefix}-v*{path.suffix}"):
+        version = old.stem.rpartition("-v")[2]
+        if version.isdigit() and int(version) < int(current):
+            old.unlink(missing_ok=True)
+            logger.info("removed %s (replaced by %s)", old.name, path.name)
