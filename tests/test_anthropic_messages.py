@@ -10,7 +10,9 @@ stop_sequence with the string, tool_use); a forced tool (`tool_choice` tool / an
 call is the one chat parses; `tool_result` turns render as chat's `tool` messages. Errors
 come in Anthropic's shape with the right status and name the field; `x-api-key` is
 accepted; the router forwards both routes; `bench serve --endpoint messages` measures them;
-with `--reasoning-parser` the thinking is a `thinking` block (the scripted Qwen3 model).
+with `--reasoning-parser` the thinking is a `thinking` block (the scripted Qwen3 model), and
+an assistant's earlier `thinking` blocks are its chat message's `reasoning_content`, which the
+Qwen3 template renders (`redacted_thinking` is left out).
 """
 
 from __future__ import annotations
@@ -312,9 +314,14 @@ def test_a_wrong_key_is_an_authentication_error_and_x_api_key_works_everywhere(s
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
 
+def _assistant(*blocks) -> dict:
+    return {"role": "assistant", "content": list(blocks)}
+
+
 def _hostile_bodies() -> list:
     ok = {"model": MODEL, "max_tokens": 4, "messages": HELLO}
     many_blocks = [{"type": "text", "text": "x"}] * 1100
+    thinking = {"type": "thinking", "signature": "s"}
     return [
         (
             "temperature",
@@ -342,6 +349,8 @@ def _hostile_bodies() -> list:
         ("messages", {**ok, "messages": [{"role": "user", "content": many_blocks}]}),
         ("messages", {**ok, "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
         ("system", {**ok, "system": 5}),
+        ("messages", {**ok, "messages": [*HELLO, _assistant({**thinking, "thinking": 5})]}),
+        ("messages", {**ok, "messages": [*HELLO, _assistant({**thinking, "thinking": ["a"]})]}),
         ("messages", {**ok, "system": "x " * 5000}),  # the rendered prompt outgrows the context
         ("stop_sequences", {**ok, "stop_sequences": [1]}),
         ("stop_sequences", {**ok, "stop_sequences": ["a"] * 17}),
@@ -451,3 +460,60 @@ def test_reasoning_comes_back_as_a_thinking_block(reasoning_server, compat):
         final = stream.get_final_message()
     assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"
     assert final.content[0].thinking == THINKING and final.content[1].text == ANSWER
+
+
+def _tool_turn(*thinking) -> list[dict]:
+    """A user query, an assistant's call after `thinking` blocks, the tool's answer: Qwen3's
+    template renders the thinking of the assistant turns after the last user query."""
+    call = {"type": "tool_use", "id": "c1", "name": "ls", "input": {"p": "."}}
+    result = {"type": "tool_result", "tool_use_id": "c1", "content": "main.py"}
+    return [
+        {"role": "user", "content": "Fix the bug"},
+        _assistant(*thinking, call),
+        {"role": "user", "content": [result]},
+    ]
+
+
+FIRST = {"type": "thinking", "thinking": "List the files, ", "signature": "s1"}
+SECOND = {"type": "thinking", "thinking": "then read main.py.", "signature": "s2"}
+
+
+@pytest.mark.milestone("m30")
+@pytest.mark.timeout(60)
+def test_earlier_thinking_blocks_are_the_chat_messages_reasoning_content(reasoning_server):
+    from nanollmserve.api.protocol_messages import CountTokensRequest
+
+    chat = CountTokensRequest(messages=_tool_turn(FIRST, SECOND)).to_chat_request()
+    assistant = chat.message_dicts()[1]
+    assert assistant["reasoning_content"] == "List the files, then read main.py."
+    client = _client(reasoning_server.url)
+
+    def count(messages) -> int:
+        return client.messages.count_tokens(model="", messages=messages).input_tokens
+
+    redacted = {"type": "redacted_thinking", "data": "opaque"}
+    bare, thought = count(_tool_turn()), count(_tool_turn(FIRST, SECOND))
+    assert count(_tool_turn(redacted)) == bare < count(_tool_turn(FIRST)) < thought
+    # One conversion: count_tokens, /v1/messages and the same chat on /tokenize agree.
+    message = client.messages.create(model="", max_tokens=1, messages=_tool_turn(FIRST, SECOND))
+    assert message.usage.input_tokens == thought
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    with reasoning_server.client() as http:
+        tokenized = http.post("/tokenize", json={"messages": messages})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["count"] == thought
+
+
+@pytest.mark.milestone("m30")
+@pytest.mark.timeout(60)
+def test_earlier_thinking_counts_toward_the_context_and_the_body_cap(reasoning_server):
+    huge = {**FIRST, "thinking": "x " * 5000}  # rendered: past the 1024-token context
+    response = _post(reasoning_server, {"max_tokens": 2, "messages": _tool_turn(huge)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "messages" in error["message"]
+    over = {**FIRST, "thinking": "x" * (5 << 20)}  # past the 4 MiB body cap
+    response = _post(reasoning_server, {"max_tokens": 2, "messages": _tool_turn(over)})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["type"] == "request_too_large"
+    assert httpx.get(f"{reasoning_server.url}/health", timeout=10).status_code == 200

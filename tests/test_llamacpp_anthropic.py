@@ -128,7 +128,13 @@ def test_stream_block_indices_with_tool_calls(client):
     assert kinds and set(kinds) == {"tool_use"}
 
 
-def test_earlier_thinking_blocks_are_accepted_and_left_out(client):
+@pytest.mark.timeout(60)
+def test_earlier_thinking_changes_nothing_under_a_template_that_drops_it(client):
+    """The bundled SmolLM2 template reads no `reasoning_content`: an assistant's earlier
+    thinking, as `thinking` blocks or chat's `reasoning_content` / `reasoning`, leaves the
+    prompt as it was (the Qwen3 template renders it: tests/test_reasoning_server.py,
+    tests/test_anthropic_messages.py)."""
+
     def count(assistant_content) -> int:
         messages = [
             {"role": "user", "content": "What is 2+2?"},
@@ -147,3 +153,20 @@ def test_earlier_thinking_blocks_are_accepted_and_left_out(client):
                                           {"role": "assistant", "content": [thinking, text]},
                                           {"role": "user", "content": "Bye"}]}  # fmt: skip
     assert client.post("/v1/messages", json=body).status_code == 200
+
+    def chat(path: str, **reasoning) -> dict:
+        messages = [
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4", **reasoning},
+            {"role": "user", "content": "And 3+3?"},
+        ]
+        extra = {"max_tokens": 1} if path == "/v1/chat/completions" else {}
+        response = client.post(path, json={"messages": messages, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    prompt = chat("/apply-template", reasoning_content="Two plus two.")["prompt"]
+    assert prompt == chat("/apply-template", reasoning="Two.")["prompt"]
+    assert prompt == chat("/apply-template")["prompt"]
+    usage = chat("/v1/chat/completions", reasoning_content="Two plus two.")["usage"]
+    assert usage["prompt_tokens"] == chat("/v1/chat/completions")["usage"]["prompt_tokens"]

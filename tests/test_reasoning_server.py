@@ -4,7 +4,8 @@ chat template; greedy output `<think>THINKING</think>ANSWER`, or ANSWER alone wh
 template closes the thinking): `reasoning_content` in messages and stream deltas, the
 `reasoning` item of /v1/responses and its events, structured output and forced tool calls
 applied after `</think>`, `chat_template_kwargs` / `--default-chat-template-kwargs` (HTTP and
-gRPC), `add_generation_prompt` / `continue_final_message`, and hostile values."""
+gRPC), `add_generation_prompt` / `continue_final_message`, an assistant's earlier thinking sent back
+(`reasoning_content`, vLLM's `reasoning`) rendered by the template, and hostile values."""
 
 from __future__ import annotations
 
@@ -183,6 +184,66 @@ def test_hostile_chat_template_fields(server, fields, param) -> None:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["param"] == param, error
+        assert http.get("/health").status_code == 200
+
+
+THOUGHT = "I should list the files first."
+CALL = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"p": "."}'}}
+
+
+def tool_turn(**reasoning) -> list[dict]:
+    """A user query, an assistant's call (with `reasoning`), the tool's answer: Qwen3's
+    template renders the thinking of the assistant turns after the last user query."""
+    return [
+        {"role": "user", "content": "Fix the bug"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL], **reasoning},
+        {"role": "tool", "tool_call_id": "c1", "content": "main.py"},
+    ]
+
+
+@pytest.mark.milestone("m30")
+@pytest.mark.timeout(60)
+def test_earlier_reasoning_content_reaches_the_template(server) -> None:
+    with server.client() as http:
+
+        def prompt(messages) -> str:
+            response = http.post("/apply-template", json={"messages": messages})
+            assert response.status_code == 200, response.text
+            return response.json()["prompt"]
+
+        bare = prompt(tool_turn())
+        rendered = prompt(tool_turn(reasoning_content=THOUGHT))
+        assert THOUGHT not in bare and f"<think>\n{THOUGHT}\n</think>" in rendered
+        assert prompt(tool_turn(reasoning=THOUGHT)) == rendered  # vLLM's name
+        both = prompt(tool_turn(reasoning=THOUGHT, reasoning_content=THOUGHT))
+        assert both == rendered
+        user = [{**tool_turn()[0], "reasoning_content": THOUGHT}, *tool_turn()[1:]]
+        assert prompt(user) == bare  # only an assistant's thinking is kept, as in vLLM
+    thought = chat(server, messages=tool_turn(reasoning_content=THOUGHT), max_tokens=1)
+    without = chat(server, messages=tool_turn(), max_tokens=1)
+    assert thought.usage.prompt_tokens > without.usage.prompt_tokens
+
+
+REASONING_HOSTILE = [
+    {"reasoning_content": 5},
+    {"reasoning_content": ["a"]},
+    {"reasoning": {"text": "a"}},
+    {"reasoning_content": "a", "reasoning": "b"},  # disagree
+    {"reasoning_content": "x " * 5000},  # rendered: the prompt outgrows the 1024-token context
+]
+
+
+@pytest.mark.milestone("m30")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fields", REASONING_HOSTILE, ids=["int", "list", "dict", "both", "huge"])
+def test_hostile_reasoning_content(server, fields) -> None:
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": "ok", **fields}]}
+    with server.client() as http:
+        response = http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"].startswith("messages"), error
         assert http.get("/health").status_code == 200
 
 

@@ -100,9 +100,17 @@ class ChatMessage(OpenAIBaseModel):
     """An assistant message's calls, sent back in the next turn."""
     tool_call_id: str | None = None
     """A `tool` message: the call it answers."""
+    reasoning_content: str | None = None
+    """An assistant message's thinking, sent back in a later turn (llama.cpp's and vLLM's
+    name): the chat template reads it as `message.reasoning_content` (Qwen3's renders that
+    of the turns after the last user query); a template that does not read it renders the
+    same prompt. Left out on other roles, as vLLM does."""
+    reasoning: str | None = None
+    """vLLM's newer name of `reasoning_content` (both given, they must be equal)."""
 
     def to_dict(self) -> dict:
-        """The message as the chat template reads it."""
+        """The message as the chat template reads it (`normalize_messages` of
+        `frontend/tokenizer.py` keeps the reasoning of assistant messages only)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -111,6 +119,9 @@ class ChatMessage(OpenAIBaseModel):
             message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        for key in ("reasoning_content", "reasoning"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 

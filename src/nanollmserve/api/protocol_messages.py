@@ -2,16 +2,18 @@
 in Anthropic's shapes, and their conversion into the chat request the server already runs.
 
 A request is `system` (a string or text blocks), `messages` (a string or content blocks:
-`text`; an assistant's `tool_use` and earlier `thinking` (dropped); a user's
+`text`; an assistant's `tool_use`, earlier `thinking` and `redacted_thinking` (dropped); a user's
 `tool_result`), `max_tokens` (required), `stop_sequences`, `temperature` / `top_p` /
 `top_k`, `metadata.user_id`, `tools`
 (`{name, description, input_schema}`) and `tool_choice` (`auto`, `any`, `tool`, `none`),
 plus chat's `seed`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos` and
 `priority` (vLLM's, under `--scheduling-policy priority`).
 `to_chat_request` turns it into a ChatCompletionRequest: `system` becomes a system message,
-`tool_use` blocks an assistant's `tool_calls`, `tool_result` blocks `tool` messages, `any`
-becomes "required" and `tool` a named function; the chat path (template, tools, grammar,
-limits, sampling) does the rest. Unknown top-level fields are a 400, as Anthropic answers;
+`tool_use` blocks an assistant's `tool_calls`, its `thinking` blocks (joined in order) its
+`reasoning_content` (the chat template renders it where it renders earlier thinking, e.g.
+Qwen3's after the last user query), `tool_result` blocks `tool` messages, `any` becomes
+"required" and `tool` a named function; the chat path (template, tools, grammar, limits,
+sampling) does the rest. Unknown top-level fields are a 400, as Anthropic answers;
 block types this server cannot read are a 400 naming them (`image` and `document` blocks,
 anywhere in a message or a tool result, with "<type> input is not supported"; server tools).
 """
@@ -79,18 +81,25 @@ class ToolResultBlock(OpenAIBaseModel):
 
 
 class ThinkingBlock(OpenAIBaseModel):
-    """An assistant's earlier thinking, sent back in the next turn: accepted and left out of
-    the chat (chat templates drop earlier turns' thinking)."""
+    """An assistant's earlier thinking, sent back in a later turn: the chat message's
+    `reasoning_content` (left out in a user's turn)."""
 
-    type: Literal["thinking", "redacted_thinking"]
+    type: Literal["thinking"]
     thinking: str = ""
     signature: str | None = None
+    """Accepted and ignored (Anthropic's check that the thinking is its own)."""
+
+
+class RedactedThinkingBlock(OpenAIBaseModel):
+    """Anthropic's encrypted thinking: accepted and left out (no model here can read it)."""
+
+    type: Literal["redacted_thinking"]
     data: str | None = None
-    """A `redacted_thinking` block's opaque content."""
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
 ]
 
 
@@ -106,7 +115,8 @@ class MessageParam(OpenAIBaseModel):
     def chat_messages(self) -> list[dict]:
         """This turn as chat messages: `tool_result` blocks become `tool` messages (first,
         as they answer the previous turn), the text a message of this role whose
-        `tool_use` blocks are its `tool_calls`."""
+        `tool_use` blocks are its `tool_calls` and, an assistant's, whose `thinking` blocks
+        (joined in order, as llama.cpp joins them) are its `reasoning_content`."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         results = [
@@ -127,6 +137,9 @@ class MessageParam(OpenAIBaseModel):
         message: dict = {"role": self.role, "content": "".join(texts)}
         if calls:
             message["tool_calls"] = calls
+        thinking = "".join(b.thinking for b in self.content if isinstance(b, ThinkingBlock))
+        if thinking and self.role == "assistant":
+            message["reasoning_content"] = thinking
         keep = texts or calls or not results
         return results + ([message] if keep else [])
 

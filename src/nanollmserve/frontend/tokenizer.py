@@ -48,7 +48,8 @@ def load_chat_template(path: str | None, *, bundled_model: bool = False) -> str 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Turn OpenAI-style content (a string or a list of text parts) into plain strings;
-    `developer` is the newer name of `system`."""
+    `developer` is the newer name of `system`. An assistant message's earlier thinking
+    (`reasoning_content`, or vLLM's `reasoning`) is kept as `reasoning_content`."""
     normalized = []
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
@@ -74,8 +75,28 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         for key in ("tool_calls", "tool_call_id"):  # assistant calls and tool results
             if message.get(key) is not None:
                 entry[key] = message[key]
+        reasoning = _reasoning(message) if role == "assistant" else None
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning
         normalized.append(entry)
     return normalized
+
+
+def _reasoning(message: dict) -> str | None:
+    """An assistant message's thinking sent back: `reasoning_content` (llama.cpp's and
+    vLLM's name) or `reasoning` (vLLM's newer one); the two given must agree."""
+    names = ("reasoning_content", "reasoning")
+    given = {name: message[name] for name in names if message.get(name) is not None}
+    for value in given.values():
+        if not isinstance(value, str):
+            raise ParamError("messages: reasoning_content must be a string", "messages")
+    if len(set(given.values())) > 1:
+        raise ParamError(
+            "messages: an assistant message's reasoning and reasoning_content differ "
+            "(reasoning is vLLM's name of reasoning_content): send one of them",
+            "messages",
+        )
+    return next(iter(given.values()), None)
 
 
 def chat_prompt_token_ids(
