@@ -85,16 +85,16 @@ def main() -> None:
             raw = random_blocks(type_name, out, n, seed=1)
             if type_name in LEGACY:
                 legacy = _block_rows(raw, type_name)
-                tiles, bits = legacy.tiled(), 4
+                tiles, bits, kind = legacy.tiled(), 4, legacy.kind
 
-                def run(w, x, kind=legacy.kind, out=out):
+                def run(w, x, kind=kind, out=out):
                     return ops.gguf_matmul(kind, w, out, x, None)
             else:
                 rows = read_kquant_rows(type_name, raw, n)
-                tiles, bits = torch.from_numpy(rows.tiled()), rows.bits
+                tiles, bits, kind = torch.from_numpy(rows.tiled()), rows.bits, rows.kind
 
-                def run(w, x, bits=bits, out=out):
-                    return ops.kquant_matmul(bits, w, out, x)
+                def run(w, x, kind=kind, out=out):
+                    return ops.kquant_matmul(kind, w, out, x)
 
             gbytes = tiles.numel() / 1e9
             copies = [tiles] + [tiles.clone() for _ in range(int(args.cache_mb / 1e3 / gbytes))]
@@ -109,7 +109,8 @@ def main() -> None:
                     run(copy, x)
                     times.append(time.perf_counter() - start)
                 results.append({
-                    "type": type_name, "shape": shape, "rows": count, "bits": bits,
+                    "type": type_name, "shape": shape, "rows": count, "bits": bits, "kind": kind,
+                    "bits_per_weight": round(tiles.numel() * 8 / (out * n), 4),
                     "min_s": min(times), "median_s": statistics.median(times),
                     "gb_per_s": round(gbytes / min(times), 2),
                 })  # fmt: skip

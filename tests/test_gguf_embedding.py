@@ -23,7 +23,7 @@ from nanollmserve import SamplingParams
 from nanollmserve.layers.gguf_embedding import GGUFEmbedding
 from nanollmserve.model.gguf_blocks import EMBEDDING, _block_rows
 from nanollmserve.model.gguf_kquants import KQUANT_TYPES, read_kquant_rows
-from nanollmserve.native.abi import KIND_Q8, kquant_kind
+from nanollmserve.native.abi import KIND_Q8, KQ_MIN, KQ_SUPER, KQ_TWO_SC, kquant_kind
 from nanollmserve.native.build import isa_level
 
 pytestmark = [pytest.mark.milestone("m25"), pytest.mark.timeout(600)]
@@ -130,10 +130,15 @@ def test_native_and_pytorch_steps_read_the_same_rows_and_keep_the_answers(make_l
 
 @pytest.mark.milestone("m31")
 @pytest.mark.parametrize(
-    ("tied", "table_type", "bits"), [(False, "Q4_K", 4), (True, "Q6_K", 6)], ids=["untied", "tied"]
+    ("tied", "table_type", "kind"),
+    [
+        (False, "Q4_K", kquant_kind(4, KQ_SUPER | KQ_MIN)),
+        (True, "Q6_K", kquant_kind(6, KQ_SUPER | KQ_TWO_SC)),
+    ],
+    ids=["untied", "tied"],
 )
 def test_a_kquant_table_is_looked_up_in_its_blocks(
-    tied, table_type, bits, tmp_path, monkeypatch, make_llm
+    tied, table_type, kind, tmp_path, monkeypatch, make_llm
 ):
     """A Q4_K_M-like file (untied: a Q4_K `token_embd` beside a Q6_K `output`) and a tied
     Q6_K table: the table's blocks are cached with the linear weights (a tied table's are the
@@ -152,12 +157,12 @@ def test_a_kquant_table_is_looked_up_in_its_blocks(
     gguf = make_llm(model=str(path), dtype="auto", block_size=16)
     model = gguf.engine.loaded.model
     embedding = model.model.embed_tokens
-    assert isinstance(embedding, GGUFEmbedding) and embedding.kind == kquant_kind(bits)
+    assert isinstance(embedding, GGUFEmbedding) and embedding.kind == kind
     assert float32_tables(model) == []
     shared = embedding.tiles.data_ptr() == model.lm_head.tiles.data_ptr()
     assert shared == tied, "a tied table is the lm_head's blocks, an untied one its own"
     declared = model.native_decoder()
-    assert declared.embed_kind == kquant_kind(bits)
+    assert declared.embed_kind == kind
     assert declared.embed.data_ptr() == embedding.tiles.data_ptr()
     (entry,) = (tmp_path / "cache" / "gguf").glob("kquant-table-*")
     with safe_open(next(entry.glob("gguf-blocks-v*.safetensors")), "pt") as f:

@@ -151,7 +151,7 @@ def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -
         rows = read_kquant_rows(name, raw, in_features)
         weights = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float64)
         xs = x[:, :in_features]
-        got = ops.kquant_matmul(rows.bits, torch.from_numpy(rows.tiled()), out_features, xs)
+        got = ops.kquant_matmul(rows.kind, torch.from_numpy(rows.tiled()), out_features, xs)
         exact = xs.double().numpy() @ weights.T
         step = xs.abs().reshape(5, -1, 32).amax(-1).double().numpy() / 32767
         bound = np.repeat(step, 32, axis=1) / 2 @ np.abs(weights).T

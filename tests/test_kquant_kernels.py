@@ -112,8 +112,8 @@ def kernel_errors() -> dict:
             if type_name in LEGACY:  # no C twin: the vector kernel stands for both
                 vec = ref = ops.gguf_matmul(legacy.kind, tiles, OUT, xt, None).numpy()
             else:
-                vec = ops.kquant_matmul(rows.bits, tiles, OUT, xt).numpy()
-                ref = ops.kquant_matmul(rows.bits, tiles, OUT, xt, reference=True).numpy()
+                vec = ops.kquant_matmul(rows.kind, tiles, OUT, xt).numpy()
+                ref = ops.kquant_matmul(rows.kind, tiles, OUT, xt, reference=True).numpy()
             results[f"{type_name}/{count}"] = {
                 "vector": float((np.abs(vec - exact) / bound).max()),
                 "reference": float((np.abs(ref - exact) / bound).max()),
@@ -168,7 +168,9 @@ def test_a_rows_numbers_do_not_depend_on_how_many_rows_share_the_call() -> None:
     rows = read_kquant_rows("Q6_K", random_blocks("Q6_K", 40, 512, 3, 1e-4), 512)
     tiles = torch.from_numpy(rows.tiled())
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(0))
-    together = ops.kquant_matmul(6, tiles, 40, x)
-    one_by_one = torch.cat([ops.kquant_matmul(6, tiles, 40, x[i : i + 1]) for i in range(16)])
+    together = ops.kquant_matmul(rows.kind, tiles, 40, x)
+    one_by_one = torch.cat(
+        [ops.kquant_matmul(rows.kind, tiles, 40, x[i : i + 1]) for i in range(16)]
+    )
     assert torch.equal(together, one_by_one)
-    assert torch.equal(together[:7], ops.kquant_matmul(6, tiles, 40, x[:7]))
+    assert torch.equal(together[:7], ops.kquant_matmul(rows.kind, tiles, 40, x[:7]))

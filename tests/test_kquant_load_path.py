@@ -20,7 +20,7 @@ from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
 from nanollmserve.model.gguf_kquants import BlockTiles
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.source import resolve_model
-from nanollmserve.native.abi import KIND_Q4, KIND_Q8, kquant_kind
+from nanollmserve.native.abi import KIND_Q4, KIND_Q8, KQ_MIN, KQ_SUPER, KQ_TWO_SC, kquant_kind
 
 pytestmark = [pytest.mark.milestone("m31"), pytest.mark.timeout(600)]
 
@@ -48,6 +48,17 @@ SCALE = {"Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 1e-4}
 keeps the activations in range); 0.005 for the rest."""
 
 
+# The kinds MIX's fused weights take: the widest part's code bits and the layout their types
+# give (a header per super-block where every part is a K-quant, two sub-scale rows with a
+# Q6_K part, dm and mn with a part that has a min).
+QKV_Q4_K_Q6_K = kquant_kind(6, KQ_SUPER | KQ_TWO_SC | KQ_MIN)
+O_Q5_0 = kquant_kind(5, 0)
+GATE_UP_Q5_K_Q4_K = kquant_kind(5, KQ_SUPER | KQ_MIN)
+Q6_K = kquant_kind(6, KQ_SUPER | KQ_TWO_SC)
+QKV_Q5_0_Q8_0 = kquant_kind(8, 0)
+O_Q5_1 = kquant_kind(5, KQ_MIN)
+
+
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     raw = {}
@@ -67,15 +78,15 @@ def test_each_fused_weight_takes_the_layout_of_its_types(mixed_gguf):
     blocks = read_gguf_blocks(mixed_gguf, config)
     kinds = {name: b.kind for name, b in blocks.items()}
     layer0, layer1 = "model.layers.0.", "model.layers.1."
-    assert kinds[layer0 + "self_attn.qkv_proj.weight"] == kquant_kind(6)  # Q4_K + Q6_K
-    assert kinds[layer0 + "self_attn.o_proj.weight"] == kquant_kind(5)
-    assert kinds[layer0 + "mlp.gate_up_proj.weight"] == kquant_kind(5)  # Q5_K + Q4_K
-    assert kinds[layer0 + "mlp.down_proj.weight"] == kquant_kind(6)
-    assert kinds[layer1 + "self_attn.qkv_proj.weight"] == kquant_kind(8)  # Q5_0 + Q8_0
-    assert kinds[layer1 + "self_attn.o_proj.weight"] == kquant_kind(5)
+    assert kinds[layer0 + "self_attn.qkv_proj.weight"] == QKV_Q4_K_Q6_K
+    assert kinds[layer0 + "self_attn.o_proj.weight"] == O_Q5_0
+    assert kinds[layer0 + "mlp.gate_up_proj.weight"] == GATE_UP_Q5_K_Q4_K
+    assert kinds[layer0 + "mlp.down_proj.weight"] == Q6_K
+    assert kinds[layer1 + "self_attn.qkv_proj.weight"] == QKV_Q5_0_Q8_0
+    assert kinds[layer1 + "self_attn.o_proj.weight"] == O_Q5_1
     assert kinds[layer1 + "mlp.gate_up_proj.weight"] == KIND_Q4  # legacy only: today's kernel
     assert kinds[layer1 + "mlp.down_proj.weight"] == KIND_Q8
-    assert kinds["lm_head.weight"] == kquant_kind(6)
+    assert kinds["lm_head.weight"] == Q6_K
     assert isinstance(blocks[layer1 + "mlp.down_proj.weight"], BlockRows)
     assert isinstance(blocks["lm_head.weight"], BlockTiles)
 
@@ -87,7 +98,16 @@ def test_every_linear_runs_its_blocks_with_the_dequantized_models_answers(mixed_
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert len(linears) == 2 * 4 + 1
-    assert {m.kind for m in linears} == {kquant_kind(b) for b in (5, 6, 8)} | {KIND_Q4, KIND_Q8}
+    assert {m.kind for m in linears} == {
+        QKV_Q4_K_Q6_K,
+        O_Q5_0,
+        GATE_UP_Q5_K_Q4_K,
+        Q6_K,
+        QKV_Q5_0_Q8_0,
+        O_Q5_1,
+        KIND_Q4,
+        KIND_Q8,
+    }
 
     dense = make_llm(model=str(mixed_gguf), dtype="float32", quantization="none")
     weights = dense.engine.loaded.model.state_dict()

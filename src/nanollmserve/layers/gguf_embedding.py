@@ -33,11 +33,8 @@ from nanollmserve.native.abi import (
     TILE_BLOCK_BYTES,
     TILE_OUTPUTS,
     kquant_bits,
+    kquant_offsets,
 )
-
-_TAIL_BYTES = 128
-"""A K-quant tile-block's last bytes: sc [2][16] int8, d [16], dm [16] float16, mn [16], off
-[16] (kquant_cpu.c's header comment)."""
 
 
 class GGUFEmbedding(nn.Module):
@@ -98,28 +95,48 @@ class GGUFEmbedding(nn.Module):
         return q * self._halves(256, tile, output) + self._halves(288, tile, output)
 
     def _kquant_rows(self, tile: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        # nib [256], hi [bits - 4][16] uint32, then the tail: w = d * (sc (q - off)) + dm * mn
-        bits, tb_bytes = kquant_bits(self.kind), self.tiles.shape[2]
-        q = self._nibbles(tile, output)
+        # groups of a header (d, dm, off) and `group` tile-blocks (nib [256], hi [bits - 4][16]
+        # uint32, sc [1 or 2][16], mn [16]; kquant_cpu.c's header comment):
+        # w = d * (sc (q - off)) + dm * mn
+        bits, at = kquant_bits(self.kind), kquant_offsets(self.kind)
+        num_tiles, nb = self.tiles.shape[:2]
+        group, header = at["group"], at["header"]
+        groups = self.tiles.reshape(num_tiles, nb // group, -1)
+        heads = groups[:, :, :header]  # [tiles, ng, header]
+        blocks = groups[:, :, header:].unflatten(2, (group, at["block"]))  # [tiles, ng, g, block]
+
+        def per_block(a: torch.Tensor) -> torch.Tensor:  # [T, ng, ...] -> [T, nb, ...]
+            return a.repeat_interleave(group, dim=1)
+
+        def block_bytes(start: int) -> torch.Tensor:  # [T, nb]: the rows' byte at start + o
+            return blocks[..., start : start + TILE_OUTPUTS][tile, :, :, output].flatten(1, 2)
+
+        def head_halves(start: int) -> torch.Tensor:  # [T, nb, 1]: the rows' float16
+            halves = heads[..., start : start + 32].unflatten(2, (TILE_OUTPUTS, 2))
+            return per_block(halves[tile, :, output, :].contiguous().view(torch.float16).float())
+
+        nib = blocks[..., :256].unflatten(3, (8, TILE_OUTPUTS, 2))
+        row = nib[tile, :, :, :, output, :].flatten(1, 2).flatten(2).int()  # [T, nb, 16]
+        q = torch.cat([row & 15, row >> 4], dim=2)
         if bits > 4:
             # bit 2 o + i of word p is bit 4 + k of the code of input 2 p + i (p = 0..15)
-            words = self.tiles[:, :, 256 : 256 + 64 * (bits - 4)].unflatten(2, (bits - 4, 16, 4))
-            words = words[tile].contiguous().view(torch.int32)[..., 0]  # [T, nb, k, 16]
+            words = blocks[..., 256 : 256 + 64 * (bits - 4)].unflatten(3, (bits - 4, 16, 4))
+            words = words[tile].contiguous().view(torch.int32)[..., 0].flatten(1, 2)
             lanes = (2 * output)[:, None, None, None, None] + torch.arange(2)  # [T, 1, 1, 1, 2]
             high = (words[..., None] >> lanes) & 1  # [T, nb, k, 16, 2]
             shifts = torch.arange(4, bits, dtype=torch.int32)[:, None, None]
             q = q | (high << shifts).sum(dim=2, dtype=torch.int32).flatten(2)
-        tail = tb_bytes - _TAIL_BYTES
-        sc = self.tiles[:, :, tail : tail + 32].unflatten(2, (2, TILE_OUTPUTS))
-        sc = sc[tile, :, :, output].contiguous().view(torch.int8).int()  # [T, nb, 2]
-        per_input = q.unflatten(2, (2, 16)) - self._bytes(tail + 112, tile, output)[..., None]
+        sc = torch.stack([block_bytes(at["sc0"]), block_bytes(at["sc1"])], dim=2)
+        sc = sc.contiguous().view(torch.int8).int()  # [T, nb, 2]
+        off = per_block(heads[..., at["off"] : at["off"] + TILE_OUTPUTS][tile, :, output].int())
+        per_input = q.unflatten(2, (2, 16)) - off[..., None, None]
         integers = (per_input * sc[..., None]).flatten(2).float()  # exact: |.| <= 4096
-        d, dm = self._halves(tail + 32, tile, output), self._halves(tail + 64, tile, output)
-        return d * integers + dm * self._bytes(tail + 96, tile, output).float()
-
-    def _bytes(self, start: int, tile: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        """int32 [T, nb, 1]: the looked-up rows' byte at `start` + o."""
-        return self.tiles[:, :, start : start + TILE_OUTPUTS][tile, :, output].int()[..., None]
+        d = head_halves(0)
+        if at["dm"] < 0:  # no min: dm mn = +0, as the zeros once stored gave
+            dm = mn = torch.zeros_like(d)
+        else:
+            dm, mn = head_halves(at["dm"]), block_bytes(at["mn"]).float()[..., None]
+        return d * integers + dm * mn
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, kind {self.kind} blocks"

@@ -43,6 +43,7 @@ from nanollmserve.model.gguf_kquants import (
     TYPE_BITS_OFFSET,
     BlockTiles,
     fuse_rows,
+    kquant_layout,
     read_kquant_rows,
 )
 from nanollmserve.model.model_config import ModelConfig
@@ -244,7 +245,8 @@ def output_block_kind(gguf: GGUFFile, config: ModelConfig) -> int | None:
     legacy = _block_type(output)
     if legacy is not None:
         return BLOCK_KINDS[legacy]
-    return kquant_kind(TYPE_BITS_OFFSET[_KQUANT_READABLE[output.ggml_type]][0])
+    type_name = _KQUANT_READABLE[output.ggml_type]
+    return kquant_kind(TYPE_BITS_OFFSET[type_name][0], kquant_layout([type_name]))
 
 
 def _output_tensor(gguf: GGUFFile, config: ModelConfig) -> GGUFTensor | None:

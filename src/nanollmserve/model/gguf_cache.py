@@ -62,11 +62,13 @@ __all__ = [
 CONVERSION_VERSION = 2
 """Bump when the conversion output changes, so old cache entries are not reused.
 (2: an entry starts with the model files only; the weights are written as loads need them.)"""
-GGUF_BLOCKS_VERSION = 5
+GGUF_BLOCKS_VERSION = 6
 """Bump when the block row layout changes (the file name carries it). 2: K-quant weights
 (stored tiled) and their shapes; 3: their sub-scales stored once per output; 4: the legacy
 kinds stored tiled too (a load maps them instead of tiling a copy: the weights once in RSS);
-5: an untied embedding table in a type the kernels run, tiled (`gguf_blocks.EMBEDDING`)."""
+5: an untied embedding table in a type the kernels run, tiled (`gguf_blocks.EMBEDDING`);
+6: compact K-quant tile-blocks (a header of d, dm, off per super-block or block, sub-scales
+and mins only where the types have them: the kinds carry the layout)."""
 UNBLOCKED_VERSION = 4
 """Bump when the tensors of `gguf_convert.unblocked_tensors` change (the file name carries it).
 (2: no float32 embedding table when a tied Q8_0 table is looked up in its blocks; 4: nor when
@@ -315,8 +317,8 @@ def _cached_tensors(path: Path, what: str, build) -> tuple[dict, dict]:
 
 
 def _remove_older_versions(path: Path) -> None:
-    """Delete the entry's files of this part at an older version (`gguf-blocks-v3` beside a
-    new `gguf-blocks-v5`): each is as large as the weights, and no release reads them again,
+    """Delete the entry's files of this part at an older version (`gguf-blocks-v5` beside a
+    new `gguf-blocks-v6`): each is as large as the weights, and no release reads them again,
     so an upgrade would otherwise leave gigabytes behind per model. A process still mapping
     one keeps its pages until it exits (unlinking does not unmap)."""
     prefix, _, current = path.stem.rpartition("-v")

@@ -16,13 +16,16 @@ its neighbours in ggml-quants.c), so nothing is rounded or re-quantized. The `gg
 
 `KQuantRows.tiled()` lays the numbers out as the kernel reads them: 16 outputs per tile and
 per block of 32 inputs their low nibbles (gguf_cpu.c's Q4 arrangement), the higher code bits
-as one 32-bit mask per widened input pair, the sub-scales, `d`, `dm`, `mn` and `off`; the
-byte map is in kquant_cpu.c's header comment. `fuse_rows` stacks weights of different types
-along the outputs (q/k/v, gate/up of a Q4_K_M file: Q4_K beside Q6_K) into one: the offset
-is per output and the codes take the widest part's bits. A tile-block is 384, 448 or 512
-bytes for 4-, 5- and 6-bit codes (6 to 8 bits a weight, against the file's 4.5 to 6.6: the
-per-output scales of every 32-block are spelled out); a fused weight with a Q8_0 part takes
-8-bit codes (640 bytes). `BlockTiles` holds a weight in that layout (or in a legacy kind's
+as one 32-bit mask per widened input pair, the sub-scales and `mn`; `d`, `dm` and `off` in a
+header per tile-block, or per 8 of them where every part is a K-quant (`d` and `dm` per 256
+inputs). What a weight's types make constant is not stored: one sub-scale row where no part
+is Q6_K, no `dm` and `mn` where no part has a min (`kquant_layout`, the layout flags of its
+kind). The byte map is in kquant_cpu.c's header comment. `fuse_rows` stacks weights of
+different types along the outputs (q/k/v, gate/up of a Q4_K_M file: Q4_K beside Q6_K) into
+one: the offset is per output and the codes take the widest part's bits. A tile-block with its
+share of the header is 300 bytes for Q4_K (4.69 bits a weight, the file 4.5), 364 for Q5_K
+(5.69; 5.5), 424 for Q6_K (6.63; 6.56), 384 for Q5_0 (6.0; 5.5); a fused weight with a Q8_0
+part takes 8-bit codes. `BlockTiles` holds a weight in that layout (or in a legacy kind's
 tiled layout, `gguf_blocks.BlockRows.tiled()`) as the linear layers and the GGUF cache keep
 it.
 """
@@ -34,7 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanollmserve.native.abi import kquant_kind
+from nanollmserve.native.abi import (
+    KQ_MIN,
+    KQ_SUPER,
+    KQ_TWO_SC,
+    TILE_BLOCK_BYTES,
+    kquant_kind,
+    kquant_offsets,
+)
 
 BLOCK = 32
 """Inputs per block of the kernel (sub-blocks of the 256-wide K-quant super-blocks)."""
@@ -67,13 +77,30 @@ STORED = {
     "Q6_K": (256, 210),
 }
 """Type -> (weights per file block, bytes per file block)."""
-_TAIL_BYTES = 128
+SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+"""Types whose `d` and `dm` are per 256 inputs (8 blocks of 32)."""
+TWO_SCALE_TYPES = frozenset({"Q6_K"})
+"""Types with a sub-scale per 16 inputs (the others: one per 32, or none)."""
+MIN_TYPES = frozenset({"Q4_K", "Q5_K", "Q5_1", "Q4_1"})
+"""Types with a min (`dm mn` not zero)."""
 
 
-def tile_block_bytes(bits: int) -> int:
-    """Bytes of one tile-block (16 outputs x 32 inputs) with `bits`-bit codes
-    (`nls_kq_tile_block_bytes`)."""
-    return 256 + 64 * (bits - 4) + _TAIL_BYTES
+def kquant_layout(type_names: list[str] | tuple[str, ...]) -> int:
+    """The layout flags (`native.abi.KQ_SUPER` | `KQ_TWO_SC` | `KQ_MIN`) of a weight whose
+    rows are of these types: a header per super-block where every part is a K-quant, two
+    sub-scale rows where a part is Q6_K, `dm` and `mn` where a part has a min."""
+    names = set(type_names)
+    return (
+        (KQ_SUPER if names <= SUPER_BLOCK_TYPES else 0)
+        | (KQ_TWO_SC if names & TWO_SCALE_TYPES else 0)
+        | (KQ_MIN if names & MIN_TYPES else 0)
+    )
+
+
+def tile_block_bytes(kind: int) -> int:
+    """Bytes of one tile-block (16 outputs x 32 inputs) of a K-quant kind with its share of
+    its header (`nls_kq_tile_block_bytes`)."""
+    return TILE_BLOCK_BYTES[kind]
 
 
 @dataclass
@@ -98,9 +125,14 @@ class KQuantRows:
     """uint8 [out, in / 32]."""
 
     @property
+    def layout(self) -> int:
+        """The layout flags its types give (`kquant_layout`)."""
+        return kquant_layout(self.type_name.split("+"))
+
+    @property
     def kind(self) -> int:
-        """The native kind of this layout at these code bits (`native.abi.kquant_kind`)."""
-        return kquant_kind(self.bits)
+        """The native kind of these code bits and this layout (`native.abi.kquant_kind`)."""
+        return kquant_kind(self.bits, self.layout)
 
     def to_tiles(self) -> BlockTiles:
         """The kernel's layout, as the linear layers keep it."""
@@ -118,16 +150,35 @@ class KQuantRows:
         return w.reshape(out, n)
 
     def tiled(self) -> np.ndarray:
-        """uint8 [tiles, in / 32, tile_block_bytes(bits)], the last tile padded with zero
-        weights."""
+        """uint8 [tiles, in / 32, tile_block_bytes(kind)], the last tile padded with zero
+        weights: each tile's groups of a header and `group` tile-blocks, in input order.
+        ValueError where the numbers are not what the layout leaves out (a `d` or `dm` not
+        constant over a super-block, two sub-scales of a 32-block that differ without
+        KQ_TWO_SC, a `dm` not +0 without KQ_MIN): nothing is dropped that is not a copy."""
         out, n = self.codes.shape
         nb, tiles = n // BLOCK, -(-out // TILE)
         rows = tiles * TILE
+        at = kquant_offsets(self.kind)
+        group, two, has_min = at["group"], at["sc1"] != at["sc0"], at["mn"] >= 0
+        if nb % group:
+            raise ValueError(f"{self.type_name}: {n} inputs are not whole super-blocks")
+        sc, d, dm = self.sc, self.d.view(np.uint16), self.dm.view(np.uint16)
+        d_sb, dm_sb = d.reshape(out, -1, group), dm.reshape(out, -1, group)
+        if (d_sb != d_sb[..., :1]).any() or (dm_sb != dm_sb[..., :1]).any():
+            raise ValueError(f"{self.type_name}: d or dm varies within a super-block")
+        if not two and (sc[:, 0::2] != sc[:, 1::2]).any():
+            raise ValueError(f"{self.type_name}: two sub-scales in a block of 32")
+        if not has_min and dm.any():
+            raise ValueError(f"{self.type_name}: a min in a layout without one")
 
         def padded(a: np.ndarray) -> np.ndarray:
             full = np.zeros((rows, *a.shape[1:]), dtype=a.dtype)
             full[:out] = a
             return full
+
+        def per_tile(a: np.ndarray) -> np.ndarray:  # [rows, k] -> [t, k, 16 * itemsize]
+            a = padded(a).reshape(tiles, TILE, a.shape[1]).transpose(0, 2, 1)
+            return np.ascontiguousarray(a).view(np.uint8).reshape(tiles, a.shape[1], -1)
 
         codes = padded(self.codes).reshape(tiles, TILE, nb, BLOCK)
         low, high = codes[..., :16] & 15, codes[..., 16:] & 15  # [t, o, b, 16]
@@ -139,16 +190,24 @@ class KQuantRows:
             # lane j -> bit j of a little-endian 32-bit word
             words = np.packbits(lanes, axis=-1, bitorder="little")
             parts.append(words.reshape(tiles, nb, 64))
-        sc = padded(self.sc).reshape(tiles, TILE, nb, 2).transpose(0, 2, 3, 1)  # [t, b, h, o]
-        parts.append(np.ascontiguousarray(sc).reshape(tiles, nb, 32).view(np.uint8))
-
-        def per_tile(a: np.ndarray) -> np.ndarray:  # [rows, nb] -> [t, nb, 16 * itemsize]
-            a = padded(a).reshape(tiles, TILE, nb).transpose(0, 2, 1)
-            return np.ascontiguousarray(a).view(np.uint8).reshape(tiles, nb, -1)
-
-        off = np.repeat(self.off[:, None], nb, axis=1)
-        parts += [per_tile(self.d), per_tile(self.dm), per_tile(self.mn), per_tile(off)]
-        return np.ascontiguousarray(np.concatenate(parts, axis=2))
+        for h in (0, 1) if two else (0,):
+            parts.append(per_tile(sc[:, h::2]))
+        if has_min:
+            parts.append(per_tile(self.mn))
+        blocks = np.concatenate(parts, axis=2)
+        assert blocks.shape[2] == at["block"]
+        first = slice(None, None, group)  # each header's block: d, dm of its first
+        header = [per_tile(self.d[:, first])]
+        if has_min:
+            header.append(per_tile(self.dm[:, first]))
+        header.append(per_tile(np.repeat(self.off[:, None], nb // group, axis=1)))
+        used = sum(h.shape[2] for h in header)  # then zeros to the header's bytes
+        header.append(np.zeros((tiles, nb // group, at["header"] - used), dtype=np.uint8))
+        headers = np.concatenate(header, axis=2)  # [t, nb / group, header bytes]
+        groups = np.concatenate(
+            [headers, blocks.reshape(tiles, nb // group, group * at["block"])], axis=2
+        )
+        return np.ascontiguousarray(groups).reshape(tiles, nb, tile_block_bytes(self.kind))
 
 
 @dataclass(frozen=True)

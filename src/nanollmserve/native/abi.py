@@ -19,31 +19,77 @@ KIND_Q4 = 4
 KIND_Q8 = 8
 """8-bit codes with a per-block `d` (from Q8_0)."""
 KIND_KQ4 = 44
-"""The first kind of kquant_cpu.c's layout: KIND_KQ4 + (bits - 4) for 4- to 8-bit codes (the
-K-quants, Q5_0/Q5_1, and legacy blocks fused with them: `model/gguf_kquants.py`)."""
+"""The first kind of kquant_cpu.c's layout: KIND_KQ4 + (bits - 4) + 8 * layout for 4- to 8-bit
+codes (the K-quants, Q5_0/Q5_1, and legacy blocks fused with them: `model/gguf_kquants.py`),
+the layout an or of KQ_SUPER, KQ_TWO_SC and KQ_MIN."""
 KIND_KQ8 = 48
-KQUANT_KINDS = range(KIND_KQ4, KIND_KQ8 + 1)
+KQ_SUPER = 1
+"""Layout flag: `d` and `dm` once per 8 tile-blocks (a 256-input super-block), else per
+tile-block."""
+KQ_TWO_SC = 2
+"""Layout flag: a sub-scale per 16 inputs (Q6_K), else one per 32."""
+KQ_MIN = 4
+"""Layout flag: `dm` and `mn` stored (a type with a min), else neither (zeros)."""
+KQ_LAYOUTS = 8
+KQUANT_KINDS = frozenset(
+    KIND_KQ4 + 8 * layout + bits - 4 for layout in range(KQ_LAYOUTS) for bits in range(4, 9)
+)
 TILE_OUTPUTS = 16
 """Outputs per tile of the kernels' weight layout (`TILE`; `BlockRows.tiled`)."""
-TILE_BLOCK_BYTES = {
-    KIND_Q4: 320,
-    KIND_Q8: 544,
-    **{kind: 256 + 64 * (kind - KIND_KQ4) + 128 for kind in KQUANT_KINDS},
-}
-"""Bytes of one tile-block (16 outputs x 32 inputs) of each kind (`nls_kq_tile_block_bytes`
-for the K-quant kinds)."""
 
 
-def kquant_kind(bits: int) -> int:
-    """The kind of kquant_cpu.c's layout with `bits`-bit codes (4 to 8)."""
+def kquant_kind(bits: int, layout: int) -> int:
+    """The kind of kquant_cpu.c's layout with `bits`-bit codes (4 to 8) and `layout` flags."""
     if not 4 <= bits <= 8:
         raise ValueError(f"K-quant codes are 4 to 8 bits, not {bits}")
-    return KIND_KQ4 + bits - 4
+    if not 0 <= layout < KQ_LAYOUTS:
+        raise ValueError(f"K-quant layout flags are 0 to {KQ_LAYOUTS - 1}, not {layout}")
+    return KIND_KQ4 + 8 * layout + bits - 4
 
 
 def kquant_bits(kind: int) -> int | None:
     """The code width of a K-quant kind, or None for another kind."""
-    return kind - KIND_KQ4 + 4 if kind in KQUANT_KINDS else None
+    return (kind - KIND_KQ4) % 8 + 4 if kind in KQUANT_KINDS else None
+
+
+def kquant_layout(kind: int) -> int:
+    """The layout flags of a K-quant kind."""
+    return (kind - KIND_KQ4) // 8
+
+
+def kquant_offsets(kind: int) -> dict[str, int]:
+    """Where a K-quant kind keeps its numbers (`kq_layout_of` of kquant_cpu.c): `group`
+    tile-blocks per header; `block` and `header` bytes; in a tile-block the sub-scale rows
+    `sc0`, `sc1` and `mn` (-1: none); in a header `d` (0), `dm` (-1: none) and `off`."""
+    bits, layout = kquant_bits(kind), kquant_layout(kind)
+    two, has_min = bool(layout & KQ_TWO_SC), bool(layout & KQ_MIN)
+    sc0 = 256 + 64 * (bits - 4)
+    sc1 = sc0 + 16 * two
+    return {
+        "group": 8 if layout & KQ_SUPER else 1,
+        "block": sc1 + 16 + 16 * has_min,
+        "header": (80 + 32 * has_min) // 32 * 32 if layout & KQ_SUPER else 48 + 32 * has_min,
+        "sc0": sc0,
+        "sc1": sc1,
+        "mn": sc1 + 16 if has_min else -1,
+        "d": 0,
+        "dm": 32 if has_min else -1,
+        "off": 32 + 32 * has_min,
+    }
+
+
+def _kquant_tile_block_bytes(kind: int) -> int:
+    offsets = kquant_offsets(kind)
+    return offsets["block"] + offsets["header"] // offsets["group"]
+
+
+TILE_BLOCK_BYTES = {
+    KIND_Q4: 320,
+    KIND_Q8: 544,
+    **{kind: _kquant_tile_block_bytes(kind) for kind in sorted(KQUANT_KINDS)},
+}
+"""Bytes of one tile-block (16 outputs x 32 inputs) of each kind, a K-quant kind's with its
+share of its header (`nls_kq_tile_block_bytes`)."""
 
 
 MAX_HEAD_DIM = 256
@@ -145,6 +191,9 @@ def expected_abi() -> dict[str, int]:
         "KIND_Q8": KIND_Q8,
         "KIND_KQ4": KIND_KQ4,
         "KIND_KQ8": KIND_KQ8,
+        "KQ_SUPER": KQ_SUPER,
+        "KQ_TWO_SC": KQ_TWO_SC,
+        "KQ_MIN": KQ_MIN,
         "TILE_BLOCK_BYTES_Q4": TILE_BLOCK_BYTES[KIND_Q4],
         "TILE_BLOCK_BYTES_Q8": TILE_BLOCK_BYTES[KIND_Q8],
         "MAX_HEAD_DIM": MAX_HEAD_DIM,

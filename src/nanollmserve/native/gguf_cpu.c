@@ -426,7 +426,7 @@ static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int
 static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y, uint8_t *amx_work) {
     if (kq_kind_bits(kind)) {
-        nls_kq_matmul_shared(kq_kind_bits(kind), w, out, in, xq, dx, sx, rows, acc, y);
+        nls_kq_matmul_shared(kind, w, out, in, xq, dx, sx, rows, acc, y);
         return;
     }
 #if NLS_HAS_AMX
@@ -515,7 +515,8 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
 /* Whether an embedding table of `kind` with rows of `hidden` can be looked up: float32 (0), or
  * the tiled blocks of a kind the kernels run (KIND_Q4, KIND_Q8, a K-quant kind). */
 static bool embed_kind_ok(int kind, int64_t hidden) {
-    return kind == 0 || ((kind == KIND_Q4 || kind == KIND_Q8 || kq_kind_bits(kind)) && hidden > 0 && hidden % QK == 0);
+    const int64_t block = kq_kind_bits(kind) && (kq_kind_layout(kind) & KQ_SUPER) ? 8 * QK : QK; /* a super-block */
+    return kind == 0 || ((kind == KIND_Q4 || kind == KIND_Q8 || kq_kind_bits(kind)) && hidden > 0 && hidden % block == 0);
 }
 
 /* Row `token` of an embedding table of `kind` into `out` [hidden]. A table in blocks is read
@@ -533,7 +534,7 @@ static void embed_table_row(int kind, const void *table, int64_t H, int64_t toke
         return;
     }
     if (kq_kind_bits(kind)) {
-        nls_kq_dequant_row(kq_kind_bits(kind), (const uint8_t *)table, H, token, out);
+        nls_kq_dequant_row(kind, (const uint8_t *)table, H, token, out);
         return;
     }
     const int64_t nb = H / QK, tile_bytes = tile_block_bytes(kind);
@@ -1040,7 +1041,8 @@ typedef struct {
 int64_t nls_abi_info(const char **names, int64_t *values, int64_t capacity) {
     const nls_abi_entry entries[] = {
         ABI_CONSTANT(QK), ABI_CONSTANT(TILE), ABI_CONSTANT(KIND_Q4), ABI_CONSTANT(KIND_Q8),
-        ABI_CONSTANT(KIND_KQ4), ABI_CONSTANT(KIND_KQ8),
+        ABI_CONSTANT(KIND_KQ4), ABI_CONSTANT(KIND_KQ8), ABI_CONSTANT(KQ_SUPER), ABI_CONSTANT(KQ_TWO_SC),
+        ABI_CONSTANT(KQ_MIN),
         {"TILE_BLOCK_BYTES_Q4", tile_block_bytes(KIND_Q4)}, {"TILE_BLOCK_BYTES_Q8", tile_block_bytes(KIND_Q8)},
         ABI_CONSTANT(MAX_HEAD_DIM), ABI_CONSTANT(NLS_PHASES),
         ABI_CONSTANT(NLS_NO_MEMORY), ABI_CONSTANT(NLS_BAD_POSITION), ABI_CONSTANT(NLS_BAD_TOKEN),

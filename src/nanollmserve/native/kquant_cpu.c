@@ -27,15 +27,37 @@
  * then the same float steps, so a row's numbers do not depend on how many rows ran with it.
  * The C twin sums S_h the same way and the float steps in plain C (maybe not fused).
  *
- * Weights are tiled as today's: 16 outputs at a time, each tile's blocks of 32 inputs in order,
- * a tile-block (kq_tile_block_bytes(bits)) being
- *   nib[256]   byte 32 g + 2 o + i: output o's code for input 2 g + i in its low nibble and for
- *              input 16 + 2 g + i in its high one (low 4 bits of each code; gguf_cpu.c's Q4);
- *   hi[bits-4][16] uint32: bit 2 o + i of word p is bit 4 + k of output o's code for input
- *              2 p + i (p < 8) or 16 + 2 (p - 8) + i: the lanes of the widened pair p;
- *   sc[2][16]  int8: sc[h][o] = output o's sub-scale of inputs 16 h .. 16 h + 15 (times d, in
- *              float, per output lane in registers);
- *   d[16], dm[16] float16; mn[16] uint8; off[16] uint8: output o's code offset.
+ * Weights are tiled as today's: 16 outputs at a time, each tile's blocks of 32 inputs in order.
+ * A weight's kind (native.h) is KIND_KQ4 + (bits - 4) + 8 * layout, the layout's flags chosen
+ * per weight from its parts' types (model/gguf_kquants.py, `kquant_layout`), so that what is
+ * constant is stored once and what varies per block of 32 is kept:
+ *   KQ_SUPER   every part a K-quant (d, dm per 256 inputs): a header per 8 tile-blocks (a tile's
+ *              super-block), else (a Q5_0 / Q5_1 / legacy part: d per 32) one per tile-block;
+ *   KQ_TWO_SC  a Q6_K part (a sub-scale per 16 inputs): two sub-scale rows, else one row serving
+ *              both halves (sc_1 = sc_0: the same numbers the kernel multiplied before);
+ *   KQ_MIN     a part with a min (Q4_K, Q5_K, Q5_1, Q4_1): dm and mn stored, else neither (read
+ *              as zeros, dm mn = +0 as the stored zeros gave).
+ * A tile is nb / G groups (G = 8 with KQ_SUPER, else 1; nb % G == 0) of a header then G
+ * tile-blocks:
+ *   header     d[16] float16; dm[16] float16 (KQ_MIN); off[16] uint8: output o's code offset;
+ *              with KQ_SUPER zeros to a multiple of 32 bytes (64 or 96), so that the codes of
+ *              Q4_K, Q5_K and Q6_K tile-blocks (288, 352, 416 bytes) stay 32-byte aligned
+ *              (measured: the 32-row AVX-512 products 1.08x the old layout's time unpadded,
+ *              1.05x padded); the header first, where the stream reads it;
+ *   tile-block nib[256]   byte 32 g + 2 o + i: output o's code for input 2 g + i in its low
+ *                         nibble and for input 16 + 2 g + i in its high one (low 4 bits of each
+ *                         code; gguf_cpu.c's Q4);
+ *              hi[bits-4][16] uint32: bit 2 o + i of word p is bit 4 + k of output o's code for
+ *                         input 2 p + i (p < 8) or 16 + 2 (p - 8) + i: the lanes of the widened
+ *                         pair p;
+ *              sc[1 or 2][16] int8: sc[h][o] = output o's sub-scale of inputs 16 h .. 16 h + 15
+ *                         (times d, in float, per output lane in registers);
+ *              mn[16] uint8 (KQ_MIN).
+ * `nls_kq_tile_block_bytes(kind)` is a tile-block with its share of the header: 300 bytes per
+ * 512 weights for Q4_K (4.69 bits a weight; the file 4.5; the layout before this one 6.0),
+ * Q5_K 364 (5.69; 5.5), Q6_K 424 (6.63; 6.56), Q5_0 384 (6.0; 5.5), Q5_1 432 (6.75; 6.0), a
+ * Q4_K + Q6_K weight 444 (6.94). The numbers the kernels multiply are the same as before, so
+ * are their outputs, bit for bit.
  * The offset is per output so that one weight may fuse rows of different types (a Q4_K_M
  * file's Q4_K attn_q and Q6_K attn_v), the codes at the widest part's bits.
  * Three ISA levels: plain C (`nls_kq_matmul_ref`, the reference twin the vector kernels are
@@ -51,14 +73,58 @@
 
 #include "native.h"
 
-#define KQ_TAIL_BYTES 128 /* sc 32 + d 32 + dm 32 + mn 16 + off 16 */
-#define KQ_D 32
-#define KQ_DM 64
-#define KQ_MN 96
-#define KQ_OFF 112
+/* A kind's layout (the header comment): byte offsets and sizes. */
+typedef struct {
+    int bits;            /* of the widest code */
+    int shift;           /* log2 of the tile-blocks per header: 3 with KQ_SUPER, else 0 */
+    int64_t block;       /* bytes of a tile-block */
+    int64_t header;      /* bytes of a header */
+    int sc0, sc1, mn;    /* in a tile-block: the sub-scale rows of halves 0 and 1, mn (-1: none) */
+    int dm, off;         /* in a header: dm (-1: none), off (d at 0) */
+} kq_layout;
 
-int64_t nls_kq_tile_block_bytes(int bits) {
-    return bits < 4 || bits > 8 ? -1 : 256 + 64 * (bits - 4) + KQ_TAIL_BYTES;
+static bool kq_layout_of(int kind, kq_layout *L) {
+    const int bits = kq_kind_bits(kind), flags = kq_kind_layout(kind);
+    if (!bits) return false;
+    const int two = (flags & KQ_TWO_SC) != 0, min = (flags & KQ_MIN) != 0;
+    L->bits = bits;
+    L->shift = flags & KQ_SUPER ? 3 : 0;
+    L->sc0 = 256 + 64 * (bits - 4);
+    L->sc1 = L->sc0 + 16 * two;
+    L->mn = min ? L->sc1 + 16 : -1;
+    L->block = L->sc1 + 16 + 16 * min;
+    L->dm = min ? 32 : -1;
+    L->off = 32 + 32 * min;
+    L->header = L->shift ? (L->off + 16 + 31) / 32 * 32 : L->off + 16; /* a group's bytes a multiple of 32 */
+    return true;
+}
+
+/* Bytes of a tile-block with its share of its header (so a tile of nb blocks is nb times
+ * this: 8 x 48 and 8 x 80 header bytes divide by 8), or -1 for a kind not of this layout. */
+int64_t nls_kq_tile_block_bytes(int kind) {
+    kq_layout L;
+    return kq_layout_of(kind, &L) ? L.block + (L.header >> L.shift) : -1;
+}
+
+static inline bool kq_shape_ok(const kq_layout *L, int64_t in) {
+    return in > 0 && in % QK == 0 && (in / QK) % ((int64_t)1 << L->shift) == 0;
+}
+
+/* What a layout without dm and mn reads for them: zeros (dm mn = +0). */
+static const uint8_t kq_zeros[64] __attribute__((aligned(64))) = {0};
+
+/* Where block b of a tile keeps its numbers. */
+typedef struct {
+    const uint8_t *codes, *sc0, *sc1, *mn, *d, *dm, *off;
+} kq_block;
+
+static inline __attribute__((always_inline)) kq_block kq_block_at(const kq_layout *L, const uint8_t *tile, int64_t b) {
+    const int64_t g = b >> L->shift;
+    const uint8_t *head = tile + g * (L->header + (L->block << L->shift));
+    const uint8_t *tb = head + L->header + (b - (g << L->shift)) * L->block;
+    const kq_block k = {tb, tb + L->sc0, tb + L->sc1, L->mn < 0 ? kq_zeros : tb + L->mn,
+                        head, L->dm < 0 ? kq_zeros : head + L->dm, head + L->off};
+    return k;
 }
 
 static inline float half_to_float(const uint8_t *p) {
@@ -101,11 +167,11 @@ static inline int kq_code(const uint8_t *tb, int bits, int o, int j) {
 }
 
 /* The same products as the vector kernels, one output and one row at a time. */
-int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const float *x,
+int nls_kq_matmul_ref(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x,
                       int64_t rows, float *y) {
-    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits);
-    if (tb_bytes < 0 || in <= 0 || in % QK || out < 0 || rows < 0) return NLS_BAD_SHAPE;
-    const int64_t nb = in / QK;
+    kq_layout L;
+    if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in) || out < 0 || rows < 0) return NLS_BAD_SHAPE;
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(kind), nb = in / QK;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)in);
     float *dx = malloc(sizeof(float) * (size_t)nb), *sx = malloc(sizeof(float) * (size_t)nb);
     if (!xq || !dx || !sx) {
@@ -119,13 +185,13 @@ int nls_kq_matmul_ref(int bits, const uint8_t *w, int64_t out, int64_t in, const
             const int ot = (int)(o % TILE);
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
+                const kq_block k = kq_block_at(&L, tile, b);
                 int32_t s[2] = {0, 0};
-                const int off = tail[KQ_OFF + ot];
-                for (int j = 0; j < QK; j++) s[j >= 16] += (kq_code(tb, bits, ot, j) - off) * xq[b * QK + j];
-                const float d = half_to_float(tail + KQ_D + 2 * ot), dm = half_to_float(tail + KQ_DM + 2 * ot);
-                const float t = (float)s[0] * (d * (float)(int8_t)tail[ot]) + (float)s[1] * (d * (float)(int8_t)tail[16 + ot]);
-                acc += t * dx[b] + dm * (float)tail[KQ_MN + ot] * sx[b];
+                const int off = k.off[ot];
+                for (int j = 0; j < QK; j++) s[j >= 16] += (kq_code(k.codes, L.bits, ot, j) - off) * xq[b * QK + j];
+                const float d = half_to_float(k.d + 2 * ot), dm = half_to_float(k.dm + 2 * ot);
+                const float t = (float)s[0] * (d * (float)(int8_t)k.sc0[ot]) + (float)s[1] * (d * (float)(int8_t)k.sc1[ot]);
+                acc += t * dx[b] + dm * (float)k.mn[ot] * sx[b];
             }
             y[r * out + o] = acc;
         }
@@ -149,7 +215,7 @@ static void kq_half_sums(const int16_t *xq, int64_t in, int64_t rows, int32_t *x
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* A tile-block's codes as 16 vectors of 32 int16 lanes (lane 2 o + i: output o, input i of
  * pair p): raw, or less each output's offset when `sub_off`. */
-static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
+static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *offs,
                                                            bool sub_off, __m512i w[16]) {
     const __m512i low = _mm512_set1_epi16(0x0F);
     for (int g = 0; g < 8; g++) {
@@ -163,7 +229,7 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
         for (int p = 0; p < 16; p++) w[p] = _mm512_mask_add_epi16(w[p], hi[p], w[p], bit);
     }
     if (sub_off) {
-        const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o + i: off[o] */
+        const __m128i off = _mm_loadu_si128((const __m128i *)offs); /* lane 2 o + i: off[o] */
         const __m512i offset = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(off, off), _mm_unpacklo_epi8(off, off)));
         for (int p = 0; p < 16; p++) w[p] = _mm512_sub_epi16(w[p], offset);
     }
@@ -176,14 +242,17 @@ typedef struct {
     __m512i off;
 } kq_scales;
 
-static inline __attribute__((always_inline)) kq_scales kq_block_scales(const uint8_t *tail) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_D)));
+static inline __attribute__((always_inline)) kq_scales kq_block_scales(const kq_layout *L, const kq_block *k) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)k->d));
     kq_scales s;
-    s.ds0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)tail))));
-    s.ds1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tail + 16)))));
-    s.mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + KQ_DM))),
-                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_MN)))));
-    s.off = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + KQ_OFF)));
+    s.ds0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k->sc0))));
+    /* one sub-scale row: d sc_1 is d sc_0; no min: dm mn is +0 (the same numbers, not reloaded) */
+    s.ds1 = L->sc1 == L->sc0 ? s.ds0
+                             : _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k->sc1))));
+    s.mw = L->mn < 0 ? _mm512_setzero_ps()
+                     : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)k->dm)),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k->mn))));
+    s.off = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k->off));
     return s;
 }
 
@@ -208,15 +277,15 @@ static inline __attribute__((always_inline)) __m512 kq_row_block(const __m512i w
     return _mm512_fmadd_ps(s->mw, _mm512_set1_ps(sxb), _mm512_fmadd_ps(t, _mm512_set1_ps(dxb), acc));
 }
 
-static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, const kq_layout *L, int64_t in,
                          const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
     for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
-        _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
+        const kq_block k = kq_block_at(L, tile, b);
+        _mm_prefetch((const char *)(k.codes + 2 * L->block), _MM_HINT_T0);
         __m512i w[16];
-        kq_widen(tb, bits, tail, true, w);
-        const kq_scales s = kq_block_scales(tail);
+        kq_widen(k.codes, L->bits, k.off, true, w);
+        const kq_scales s = kq_block_scales(L, &k);
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
             _mm512_storeu_ps(acc + 16 * r, kq_row_block(w, &s, false, xp, NULL, dx[r * nb + b], sx[r * nb + b],
@@ -236,17 +305,17 @@ static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int 
 #define KQ_RAW_ROWS 2
 #define KQ_HAS_FEW_ROWS 1
 static inline __attribute__((always_inline)) void kq_tile_few_rows(
-    const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in, const int16_t *xq,
+    const uint8_t *tile, int64_t nb, const kq_layout *L, int64_t in, const int16_t *xq,
     const float *dx, const float *sx, const int32_t *xs, const int ROWS, const bool RAW, float *y, int64_t ldy,
     int valid) {
     __m512 acc[KQ_FEW_ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
-        _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
+        const kq_block k = kq_block_at(L, tile, b);
+        _mm_prefetch((const char *)(k.codes + 2 * L->block), _MM_HINT_T0);
         __m512i w[16];
-        kq_widen(tb, bits, tail, !RAW, w);
-        const kq_scales s = kq_block_scales(tail);
+        kq_widen(k.codes, L->bits, k.off, !RAW, w);
+        const kq_scales s = kq_block_scales(L, &k);
         for (int r = 0; r < ROWS; r++)
             acc[r] = kq_row_block(w, &s, RAW, (const int32_t *)(xq + r * in + b * QK), RAW ? xs + 2 * (r * nb + b) : NULL,
                                   dx[r * nb + b], sx[r * nb + b], acc[r]);
@@ -264,7 +333,7 @@ static inline __attribute__((always_inline)) void kq_tile_few_rows(
  * g + 8): each byte tests its bit of the word broadcast (one shuffle, and, compare for 32
  * lanes), then the bytes widen. 4-bit codes that lose their offset here (the rows that share
  * the subtraction) widen per 16-byte half instead: the same codes, faster there (measured). */
-static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *tail,
+static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, int bits, const uint8_t *offs,
                                                            bool sub_off, __m256i w[16][2]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
@@ -296,7 +365,7 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
         }
     }
     if (sub_off) {
-        const __m128i off = _mm_loadu_si128((const __m128i *)(tail + KQ_OFF)); /* lane 2 o' + i: off[8 h + o'] */
+        const __m128i off = _mm_loadu_si128((const __m128i *)offs); /* lane 2 o' + i: off[8 h + o'] */
         const __m256i offsets[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(off, off)),
                                     _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(off, off))};
         for (int p = 0; p < 16; p++)
@@ -308,23 +377,26 @@ static inline __attribute__((always_inline)) void kq_widen(const uint8_t *tb, in
  * in int32 from offset codes, or from raw codes less off X_h, then the same float sums).
  * `raw` (a constant at each call) for the few rows nls_kq_matmul_shared gives `xs`. */
 static inline __attribute__((always_inline)) void kq_tile_rows_with(
-    const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in, const int16_t *xq, const float *dx,
+    const uint8_t *tile, int64_t nb, const kq_layout *L, int64_t in, const int16_t *xq, const float *dx,
     const float *sx, const int32_t *xs, const bool raw, int64_t rows, float *acc) {
     memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
-        _mm_prefetch((const char *)(tb + 2 * tb_bytes), _MM_HINT_T0);
+        const kq_block k = kq_block_at(L, tile, b);
+        _mm_prefetch((const char *)(k.codes + 2 * L->block), _MM_HINT_T0);
         __m256i w[16][2];
-        kq_widen(tb, bits, tail, !raw, w);
+        kq_widen(k.codes, L->bits, k.off, !raw, w);
         __m256 ds0[2], ds1[2], mw[2];
         __m256i off[2];
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_D + 16 * h)));
-            ds0[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 8 * h)))));
-            ds1[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 16 + 8 * h)))));
-            mw[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + KQ_DM + 16 * h))),
-                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + KQ_MN + 8 * h)))));
-            off[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + KQ_OFF + 8 * h)));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k.d + 16 * h)));
+            ds0[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k.sc0 + 8 * h)))));
+            /* as the AVX-512 kq_block_scales: the same numbers without the rows a layout lacks */
+            ds1[h] = L->sc1 == L->sc0 ? ds0[h]
+                                      : _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(k.sc1 + 8 * h)))));
+            mw[h] = L->mn < 0 ? _mm256_setzero_ps()
+                              : _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k.dm + 16 * h))),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(k.mn + 8 * h)))));
+            off[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(k.off + 8 * h)));
         }
         for (int64_t r = 0; r < rows; r++) {
             const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
@@ -349,15 +421,15 @@ static inline __attribute__((always_inline)) void kq_tile_rows_with(
 }
 
 #define KQ_RAW_ROWS 2
-static void kq_tile_rows(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
+static void kq_tile_rows(const uint8_t *tile, int64_t nb, const kq_layout *L, int64_t in,
                          const int16_t *xq, const float *dx, const float *sx, int64_t rows, float *acc) {
-    kq_tile_rows_with(tile, nb, tb_bytes, bits, in, xq, dx, sx, NULL, false, rows, acc);
+    kq_tile_rows_with(tile, nb, L, in, xq, dx, sx, NULL, false, rows, acc);
 }
 
-static void kq_tile_rows_raw(const uint8_t *tile, int64_t nb, int64_t tb_bytes, int bits, int64_t in,
+static void kq_tile_rows_raw(const uint8_t *tile, int64_t nb, const kq_layout *L, int64_t in,
                              const int16_t *xq, const float *dx, const float *sx, const int32_t *xs, int64_t rows,
                              float *acc) {
-    kq_tile_rows_with(tile, nb, tb_bytes, bits, in, xq, dx, sx, xs, true, rows, acc);
+    kq_tile_rows_with(tile, nb, L, in, xq, dx, sx, xs, true, rows, acc);
 }
 #define KQ_HAS_FEW_ROWS 0
 #endif
@@ -378,9 +450,9 @@ int64_t nls_kq_matmul_workspace_bytes(int64_t in, int64_t rows, int num_threads)
  * outputs: up to 2 * KQ_FEW_ROWS rows in register groups (AVX-512), more through `acc`
  * (16 floats a row); `xs` (the rows' half sums, or NULL) lets up to KQ_RAW_ROWS rows skip
  * the offset codes. */
-static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t in, const int16_t *xq,
+static void kq_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t out, int64_t in, const int16_t *xq,
                     const float *dx, const float *sx, const int32_t *xs, int64_t rows, float *acc, float *y) {
-    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK;
+    const int64_t tb_bytes = L->block + (L->header >> L->shift), nb = in / QK;
     const uint8_t *tile = w + t * nb * tb_bytes;
     const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
 #if KQ_HAS_FEW_ROWS
@@ -392,15 +464,15 @@ static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t 
             const int32_t *h = xs ? xs + 2 * r0 * nb : NULL;
             float *yt = y + r0 * out + t * TILE;
             if (h && group <= KQ_RAW_ROWS) {
-                if (group == 1) kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, h, 1, true, yt, out, valid);
-                else kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, h, 2, true, yt, out, valid);
+                if (group == 1) kq_tile_few_rows(tile, nb, L, in, x, d, s, h, 1, true, yt, out, valid);
+                else kq_tile_few_rows(tile, nb, L, in, x, d, s, h, 2, true, yt, out, valid);
             } else {
                 switch (group) {
-                case 1: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 1, false, yt, out, valid); break;
-                case 2: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 2, false, yt, out, valid); break;
-                case 3: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 3, false, yt, out, valid); break;
-                case 4: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 4, false, yt, out, valid); break;
-                default: kq_tile_few_rows(tile, nb, tb_bytes, bits, in, x, d, s, NULL, 5, false, yt, out, valid); break;
+                case 1: kq_tile_few_rows(tile, nb, L, in, x, d, s, NULL, 1, false, yt, out, valid); break;
+                case 2: kq_tile_few_rows(tile, nb, L, in, x, d, s, NULL, 2, false, yt, out, valid); break;
+                case 3: kq_tile_few_rows(tile, nb, L, in, x, d, s, NULL, 3, false, yt, out, valid); break;
+                case 4: kq_tile_few_rows(tile, nb, L, in, x, d, s, NULL, 4, false, yt, out, valid); break;
+                default: kq_tile_few_rows(tile, nb, L, in, x, d, s, NULL, 5, false, yt, out, valid); break;
                 }
             }
             r0 += group;
@@ -408,10 +480,10 @@ static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t 
         return;
     }
 #else
-    if (xs && rows <= KQ_RAW_ROWS) kq_tile_rows_raw(tile, nb, tb_bytes, bits, in, xq, dx, sx, xs, rows, acc);
+    if (xs && rows <= KQ_RAW_ROWS) kq_tile_rows_raw(tile, nb, L, in, xq, dx, sx, xs, rows, acc);
     else
 #endif
-    kq_tile_rows(tile, nb, tb_bytes, bits, in, xq, dx, sx, rows, acc);
+    kq_tile_rows(tile, nb, L, in, xq, dx, sx, rows, acc);
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
 }
@@ -420,22 +492,24 @@ static void kq_tile(int bits, const uint8_t *w, int64_t t, int64_t out, int64_t 
  * work-sharing loop, ending in a barrier). Up to KQ_RAW_ROWS rows, each thread first sums
  * the rows' halves for itself (a few microseconds; without memory it runs the offset codes,
  * the same numbers). */
-void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
+    kq_layout L;
+    if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in)) return; /* every thread alike: callers check */
     const int64_t tiles = (out + TILE - 1) / TILE;
     int32_t *xs = rows <= KQ_RAW_ROWS ? malloc(sizeof(int32_t) * (size_t)(rows * in / 16)) : NULL;
     if (xs) kq_half_sums(xq, in, rows, xs);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) kq_tile(bits, w, t, out, in, xq, dx, sx, xs, rows, acc, y);
+    for (int64_t t = 0; t < tiles; t++) kq_tile(&L, w, t, out, in, xq, dx, sx, xs, rows, acc, y);
     free(xs);
 }
 
-/* y[M, out] = x[M, in] @ W^T with W tiled as above (`bits` 4..8: the widest code).
+/* y[M, out] = x[M, in] @ W^T with W tiled as above (`kind`: the codes' bits and the layout).
  * Returns 0, or NLS_BAD_SHAPE for a bad size, kind or workspace. */
-int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
+int nls_kq_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
                   float *y, void *workspace, int64_t workspace_bytes, int num_threads) {
-    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits);
-    if (tb_bytes < 0 || in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 ||
+    kq_layout L;
+    if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in) || out < 0 || rows < 0 || num_threads < 1 ||
         workspace_bytes < nls_kq_matmul_workspace_bytes(in, rows, num_threads))
         return NLS_BAD_SHAPE;
     const int64_t nb = in / QK;
@@ -449,30 +523,32 @@ int nls_kq_matmul(int bits, const uint8_t *w, int64_t out, int64_t in, const flo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) kq_quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
         float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * acc_bytes);
-        nls_kq_matmul_shared(bits, w, out, in, xq, dx, sx, rows, acc, y);
+        nls_kq_matmul_shared(kind, w, out, in, xq, dx, sx, rows, acc, y);
     }
     return 0;
 }
 
 /* ------------------------------------------------ one row dequantized (the embedding) -- */
 
-/* Row `row` of W (`bits`-bit codes, the layout above) as floats: d * (sc_h (q - off)) + dm mn
+/* Row `row` of W (of `kind`, the layout above) as floats: d * (sc_h (q - off)) + dm mn
  * per weight, the decode step's embedding lookup in a table of these types (gguf_cpu.c's
  * embed_row). sc_h (q - off) is an integer below 2^13 and d a float16, so the first product
  * is exact in float32, as is dm mn: the one rounding is the add, as in the gguf package's
  * dequantization of the file's blocks (the oracle), so the row is the dequantized table's. */
-void nls_kq_dequant_row(int bits, const uint8_t *w, int64_t in, int64_t row, float *out) {
-    const int64_t tb_bytes = nls_kq_tile_block_bytes(bits), nb = in / QK;
+void nls_kq_dequant_row(int kind, const uint8_t *w, int64_t in, int64_t row, float *out) {
+    kq_layout L;
+    if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in)) return; /* the step checks the table's kind */
+    const int64_t tb_bytes = nls_kq_tile_block_bytes(kind), nb = in / QK;
     const uint8_t *tile = w + (row / TILE) * nb * tb_bytes;
     const int o = (int)(row % TILE);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tile + b * tb_bytes, *tail = tb + tb_bytes - KQ_TAIL_BYTES;
-        const int off = tail[KQ_OFF + o];
-        const float d = half_to_float(tail + KQ_D + 2 * o);
-        const float m = half_to_float(tail + KQ_DM + 2 * o) * (float)tail[KQ_MN + o];
+        const kq_block k = kq_block_at(&L, tile, b);
+        const int off = k.off[o];
+        const float d = half_to_float(k.d + 2 * o);
+        const float m = half_to_float(k.dm + 2 * o) * (float)k.mn[o];
         for (int j = 0; j < QK; j++) {
-            const int sc = (int8_t)tail[16 * (j >= 16) + o];
-            out[b * QK + j] = d * (float)(sc * (kq_code(tb, bits, o, j) - off)) + m;
+            const int sc = (int8_t)(j >= 16 ? k.sc1 : k.sc0)[o];
+            out[b * QK + j] = d * (float)(sc * (kq_code(k.codes, L.bits, o, j) - off)) + m;
         }
     }
 }

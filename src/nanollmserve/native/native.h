@@ -16,24 +16,34 @@
 #define KIND_Q4 4
 #define KIND_Q8 8
 /* Weights in kquant_cpu.c's layout (the K-quants, Q5_0/Q5_1, and legacy blocks fused with
- * them), one kind per code width: KIND_KQ4 + (bits - 4) for 4..8-bit codes. */
+ * them), one kind per code width and layout: KIND_KQ4 + (bits - 4) + 8 * layout for 4..8-bit
+ * codes, the layout an or of the flags below (kquant_cpu.c's header comment). */
 #define KIND_KQ4 44
 #define KIND_KQ8 48
+#define KQ_SUPER 1  /* d, dm once per 8 tile-blocks (256 inputs), else per tile-block */
+#define KQ_TWO_SC 2 /* a sub-scale per 16 inputs, else one per 32 */
+#define KQ_MIN 4    /* dm and mn stored, else none (zeros) */
+#define KQ_LAYOUTS 8
 #define TILE 16 /* outputs per tile of the block kernels' weight layout (gguf_cpu.c) */
 
 static inline int64_t tile_block_bytes(int kind) { return kind == KIND_Q4 ? 320 : 544; }
 /* The code width of a K-quant kind, or 0 for any other kind. */
-static inline int kq_kind_bits(int kind) { return kind >= KIND_KQ4 && kind <= KIND_KQ8 ? kind - KIND_KQ4 + 4 : 0; }
-int64_t nls_kq_tile_block_bytes(int bits);
+static inline int kq_kind_bits(int kind) {
+    const int k = kind - KIND_KQ4;
+    return k >= 0 && k < 8 * KQ_LAYOUTS && k % 8 <= KIND_KQ8 - KIND_KQ4 ? k % 8 + 4 : 0;
+}
+/* The layout flags of a K-quant kind. */
+static inline int kq_kind_layout(int kind) { return (kind - KIND_KQ4) / 8; }
+int64_t nls_kq_tile_block_bytes(int kind);
 /* y[r * out + o] = (W x_r)[o] for `rows` activation rows quantized as the decode step does
- * (row r at xq + r * in), W in kquant_cpu.c's layout of `bits`-bit codes: the tiles shared
+ * (row r at xq + r * in), W in kquant_cpu.c's layout of K-quant `kind`: the tiles shared
  * among the threads of the enclosing parallel region (an orphaned loop ending in a barrier).
  * `acc`: this thread's room for 16 floats a row. */
-void nls_kq_matmul_shared(int bits, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y);
-/* out[in] = row `row` of W (kquant_cpu.c's layout of `bits`-bit codes) dequantized,
+/* out[in] = row `row` of W (kquant_cpu.c's layout of K-quant `kind`) dequantized,
  * d * sc * (q - off) + dm * mn per weight: the decode step's embedding lookup in such a table. */
-void nls_kq_dequant_row(int bits, const uint8_t *w, int64_t in, int64_t row, float *out);
+void nls_kq_dequant_row(int kind, const uint8_t *w, int64_t in, int64_t row, float *out);
 
 /* 0 when this process may use AMX tiles: Linux grants the tile state per process, and the
  * `amx` build asks for it (amx_cpu.c); other builds have nothing to ask and answer 0. */

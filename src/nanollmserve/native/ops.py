@@ -181,9 +181,8 @@ def gguf_matmul(
             f"{op}: bias {list(bias.shape)} ({bias.dtype}, {bias.device}) is not float32 "
             f"[{out_features}] on the CPU"
         )
-    bits = kquant_bits(kind)
-    if bits is not None:  # kquant_cpu.c's layout: its own entry point, the bias added after
-        out = kquant_matmul(bits, tiles, out_features, x)
+    if kquant_bits(kind) is not None:  # kquant_cpu.c's layout: its own entry point, the bias after
+        out = kquant_matmul(kind, tiles, out_features, x)
         return out if bias is None else out.add_(bias)
     x = x.float().contiguous()
     out = torch.empty(rows, out_features)
@@ -215,16 +214,16 @@ _signature("nls_kq_matmul_ref", [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr], _int
 
 
 def kquant_matmul(
-    bits: int,
+    kind: int,
     tiles: torch.Tensor,
     out_features: int,
     x: torch.Tensor,
     reference: bool = False,
 ) -> torch.Tensor:
     """x [rows, in] (any float dtype, CPU) @ W^T -> float32 [rows, out_features], W being
-    `tiles` of `bits`-bit codes, each output's offset in its tile-block (uint8
-    [ceil(out / 16), in / 32, tile-block bytes], `KQuantRows.tiled()` of
-    model/gguf_kquants.py). `reference`: the plain-C twin
+    `tiles` of K-quant `kind` (its codes' bits and layout: uint8 [ceil(out / 16), in / 32,
+    tile-block bytes], `KQuantRows.tiled()` of model/gguf_kquants.py, the kind
+    `KQuantRows.kind`). `reference`: the plain-C twin
     (`nls_kq_matmul_ref`, one thread) instead of this build's vector kernel."""
     op = "K-quant matmul"
     if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
@@ -234,7 +233,7 @@ def kquant_matmul(
         )
     library = _library()
     rows, in_features = x.shape
-    block_bytes = library.nls_kq_tile_block_bytes(bits)
+    block_bytes = library.nls_kq_tile_block_bytes(kind)
     expected = (-(-out_features // TILE_OUTPUTS), in_features // BLOCK_SIZE, block_bytes)
     if (
         block_bytes < 0
@@ -247,7 +246,7 @@ def kquant_matmul(
     ):
         raise ValueError(
             f"{op}: tiles {list(tiles.shape)} ({tiles.dtype}, {tiles.device}) do not fit an "
-            f"input [{rows}, {in_features}] and {out_features} outputs of {bits}-bit codes"
+            f"input [{rows}, {in_features}] and {out_features} outputs of kind {kind}"
         )
     x = x.float().contiguous()
     out = torch.empty(rows, out_features)
@@ -255,7 +254,7 @@ def kquant_matmul(
         return out
     if reference:
         status = library.nls_kq_matmul_ref(
-            bits, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
             out.data_ptr(),
         )  # fmt: skip
     else:
@@ -263,7 +262,7 @@ def kquant_matmul(
         nbytes = library.nls_kq_matmul_workspace_bytes(in_features, rows, threads)
         workspace = MATMUL_WORKSPACE.get(nbytes)
         status = library.nls_kq_matmul(
-            bits, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
             out.data_ptr(), workspace.data_ptr(), workspace.numel(), threads,
         )  # fmt: skip
     _raise_for(status, f"{op} ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"})
