@@ -4,9 +4,10 @@ products a lane where vpdpwssd has 2): int8 per 32 inputs with the int16 kernel'
 and int8 per 256 (llama.cpp's Q8_K) with the sub-scales merged in integers, on the same tiles
 of random valid blocks, in one library built here with the AVX-512 level's flags plus BMI2.
 Reports each kernel's error against the dequantized weights in float64. One JSON object on
-stdout: git rev (dirty or not), date, CPU, command, and per type, shape and row count the min
-and median seconds of each kernel and the median over calls of the int16 / int8 time ratios,
-the kernels taking turns call by call so that a burst of host load falls on all three.
+stdout: its provenance (bench/provenance.py: git rev, dirty or not, date, CPU, cores,
+command), and per type, shape and row count the min and median seconds of each kernel and
+the median over calls of the int16 / int8 time ratios, the kernels taking turns call by call
+so that a burst of host load falls on all three.
 
     PYTHONPATH=src .venv/bin/python scripts/kquant_int8_probe.py [--rows 1 8 32] [--threads 2]
 
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from nanollmserve.bench.provenance import provenance
 from nanollmserve.model.gguf_kquants import read_kquant_rows
 from nanollmserve.native import build
 
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "src" / "nanollmserve" / "native"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kquant_kernel_bench import random_blocks, shell  # noqa: E402
+from kquant_kernel_bench import random_blocks  # noqa: E402
 
 KERNELS = {
     "int16": ("nls_kq_matmul", "nls_kq_matmul_workspace_bytes"),
@@ -95,10 +97,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in shell("lscpu").splitlines() if "Model name" in ln),
-        "",
-    )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         lib = build_probe(Path(tmp))
@@ -145,14 +143,10 @@ def main() -> None:
                         )
                     results.append(row)
                     print(json.dumps(row), file=sys.stderr)
-    dirty = shell("git", "status", "--porcelain", "--untracked-files=no").strip()
-    rev = shell("git", "rev-parse", "--short", "HEAD").strip() + ("-dirty" if dirty else "")
-    print(json.dumps({
-        "git_rev": rev,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu, "threads": args.threads, "cache_mb": args.cache_mb, "command": sys.argv,
-        "results": results,
-    }))  # fmt: skip
+    record = provenance()
+    record["command"] = shlex.join(sys.argv)  # this script, not the `nanollmserve` CLI
+    print(json.dumps({"provenance": record, "threads": args.threads, "cache_mb": args.cache_mb,
+                      "results": results}))  # fmt: skip  # fmt: skip
 
 
 if __name__ == "__main__":
