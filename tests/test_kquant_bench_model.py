@@ -122,13 +122,14 @@ def test_without_llama_quantize_only_the_f16_file_is_written(tmp_path: Path) -> 
 def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -> None:
     """The bundled model requantized by llama.cpp to Q4_K_M is the mix the issue names (576-wide
     rows cannot hold K-quant super-blocks: Q5_0 fall-backs); one real tensor of each K-quant
-    or 5-bit type in it runs on the native kernel within the int16 bound of the `gguf`
-    package's dequantization."""
+    or 5-bit type in it runs on the native kernel within its activations' bound (int16; int8
+    per 256 for Q4_K and Q6_K, decision 46) of the `gguf` package's dequantization."""
     import numpy as np
     import torch
 
     from nanollmserve.model.gguf_kquants import KQUANT_TYPES, read_kquant_rows
     from nanollmserve.native import ops
+    from nanollmserve.native.abi import KQ_SUPER, kquant_layout
 
     env = {**os.environ, "BENCH_MODEL_DIR": str(tmp_path), "BENCH_MODEL_TYPES": "Q4_K_M"}
     proc = subprocess.run(
@@ -154,7 +155,11 @@ def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -
         got = ops.kquant_matmul(rows.kind, torch.from_numpy(rows.tiled()), out_features, xs)
         exact = xs.double().numpy() @ weights.T
         step = xs.abs().reshape(5, -1, 32).amax(-1).double().numpy() / 32767
-        bound = np.repeat(step, 32, axis=1) / 2 @ np.abs(weights).T
+        half_step = np.repeat(step, 32, axis=1) / 2
+        if kquant_layout(rows.kind) & KQ_SUPER:  # int8 per 256 after the int16 rows
+            step8 = xs.abs().reshape(5, -1, 256).amax(-1).double().numpy() * (1 + 1e-4) / 127
+            half_step = half_step + np.repeat(step8, 256, axis=1) / 2
+        bound = half_step @ np.abs(weights).T
         bound += 2e-6 * (xs.abs().double().numpy() @ np.abs(weights).T)
         assert (np.abs(got.numpy() - exact) <= bound).all(), t.name
         checked.add(name)
@@ -169,7 +174,10 @@ def test_the_bundled_q4_k_m_file_runs_natively_with_the_dequantized_models_answe
 ) -> None:
     """Every linear of llama.cpp's Q4_K_M file of the bundled model runs its own blocks
     (Q5_0, Q4_K, Q6_K, Q8_0; q/k/v fused across types), the native decode step included, and
-    answers the chats greedily token for token as the dequantized float32 model does."""
+    predicts as the dequantized float32 model does: over the float32 model's greedy chats,
+    teacher-forced, the two agree on the most likely next token at 95% of the positions or
+    more. Not token for token: the Q4_K and Q6_K weights multiply int8 activations per 256
+    inputs, llama.cpp's arithmetic (decision 46; int16 alone answered token for token)."""
     from torch import nn
 
     from nanollmserve import SamplingParams
@@ -191,5 +199,18 @@ def test_the_bundled_q4_k_m_file_runs_natively_with_the_dequantized_models_answe
     questions = ("What is the capital of France?", "List three fruits.", "Write a haiku.")
     chats = [[{"role": "user", "content": c}] for c in questions]
     params = SamplingParams(temperature=0.0, max_tokens=32)
-    expected = [list(o.outputs[0].token_ids) for o in dense.chat(chats, params)]
-    assert [list(o.outputs[0].token_ids) for o in native.chat(chats, params)] == expected
+    sequences = [
+        list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in dense.chat(chats, params)
+    ]
+    forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+
+    def most_likely(llm) -> list[int]:
+        return [
+            next(token for token, logprob in entry.items() if logprob.rank == 1)
+            for output in llm.generate(sequences, forced)
+            for entry in output.prompt_logprobs[1:]
+        ]
+
+    theirs, ours = most_likely(dense), most_likely(native)
+    agreement = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(theirs)
+    assert agreement >= 0.95, agreement

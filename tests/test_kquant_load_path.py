@@ -20,7 +20,16 @@ from nanollmserve.model.gguf_blocks import BlockRows, read_gguf_blocks
 from nanollmserve.model.gguf_kquants import BlockTiles
 from nanollmserve.model.model_config import ModelConfig
 from nanollmserve.model.source import resolve_model
-from nanollmserve.native.abi import KIND_Q4, KIND_Q8, KQ_MIN, KQ_SUPER, KQ_TWO_SC, kquant_kind
+from nanollmserve.native.abi import (
+    KIND_Q4,
+    KIND_Q8,
+    KQ_MIN,
+    KQ_SUPER,
+    KQ_TWO_SC,
+    kquant_bits,
+    kquant_kind,
+    kquant_layout,
+)
 
 pytestmark = [pytest.mark.milestone("m31"), pytest.mark.timeout(600)]
 
@@ -116,7 +125,10 @@ def test_every_linear_runs_its_blocks_with_the_dequantized_models_answers(mixed_
         if isinstance(module, GGUFLinear) and module.in_features == HIDDEN:
             expected = x @ weights[f"{name}.weight"].T
             error = float((module(x) - expected).norm() / expected.norm())
-            assert error < 1e-3, (name, error)  # int16 activations: ~1e-5
+            if kquant_bits(module.kind) and kquant_layout(module.kind) & KQ_SUPER:
+                assert error < 2e-2, (name, error)  # int8 activations per 256: ~7e-3
+            else:
+                assert error < 1e-3, (name, error)  # int16 activations: ~1e-5
 
     prompt = list(range(3, 60))
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -126,14 +138,19 @@ def test_every_linear_runs_its_blocks_with_the_dequantized_models_answers(mixed_
     theirs_lp = np.array(
         [entry[t].logprob for entry, t in zip(theirs[1:], prompt[1:], strict=True)]
     )
-    assert np.abs(ours_lp - theirs_lp).max() < 0.02, np.abs(ours_lp - theirs_lp).max()
+    # int16 activations alone stayed under 0.02; the int8 per 256 of the super-block kinds
+    # (decision 46) measured 0.025
+    assert np.abs(ours_lp - theirs_lp).max() < 0.05, np.abs(ours_lp - theirs_lp).max()
 
 
 def test_the_native_step_runs_the_mixed_file_as_the_forward_does(mixed_gguf, make_llm):
     llm = make_llm(model=str(mixed_gguf), dtype="auto", block_size=16)
     assert llm.engine.model_runner.native_decode is not None
-    # test_native_decode.py's bounds for the float16 K/V default (measured here: 1.6e-4)
+    # test_native_decode.py's bounds for the float16 K/V default were 1e-3 and 4e-3 (measured
+    # here 1.6e-4 with int16 activations). The super-block kinds' int8 activations per 256
+    # (decision 46) turn the step's and the forward's tiny input differences into whole int8
+    # steps where an input sits near a rounding boundary: measured 6.9e-3 (logits), 6.0e-4 (K/V)
     worst, kv_error = native_against_forward(llm, list(range(3, 40)), 13, 5)
-    assert worst < 1e-3 and kv_error < 1e-3, (worst, kv_error)
+    assert worst < 2e-2 and kv_error < 2e-3, (worst, kv_error)
     steps, worst = check_step_against_forward(llm, ["1, 2, 3,", "The lighthouse"], 12)
-    assert steps["decode"] > 0 and worst < 4e-3, (steps, worst)
+    assert steps["decode"] > 0 and worst < 2e-2, (steps, worst)

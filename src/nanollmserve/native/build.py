@@ -1,5 +1,5 @@
-"""Compile the native sources (`gguf_cpu.c`, `kquant_cpu.c`, `amx_cpu.c`, `attention_cpu.c`,
-`sampling_cpu.c`) once per machine into the library `native/ops.py` loads.
+"""Compile the native sources (`gguf_cpu.c`, `kquant_cpu.c`, `kquant_int8_cpu.c`, `amx_cpu.c`,
+`attention_cpu.c`, `sampling_cpu.c`) once per machine into the library `native/ops.py` loads.
 
 The library is plain C with OpenMP (no PyTorch headers, so it compiles in about a second),
 built with the system C compiler (`$CC`, default `cc`) into
@@ -47,9 +47,16 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("gguf_cpu.c", "kquant_cpu.c", "amx_cpu.c", "attention_cpu.c", "sampling_cpu.c")
+    for name in (
+        "gguf_cpu.c",
+        "kquant_cpu.c",
+        "kquant_int8_cpu.c",
+        "amx_cpu.c",
+        "attention_cpu.c",
+        "sampling_cpu.c",
+    )
 )
-HEADERS = (Path(__file__).with_name("native.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("native.h", "kquant_layout.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ISA_LEVELS = {

@@ -13,7 +13,10 @@
  *     Q5_0:       d, sc 1, off 16, no m;            Q5_1: d, sc 1, m = dm, mn 1, off 0.
  * So one kernel runs them all (`bits` of the widest code, `off` per output), with the
  * activations of today's block kernels (gguf_cpu.c): each row quantized per block of 32 to
- * int16 with one float scale dx and its exact sum sx.
+ * int16 with one float scale dx and its exact sum sx. The super-block kinds (KQ_SUPER below:
+ * every part Q4_K, Q5_K or Q6_K) take those rows on to int8 per 256 inputs, llama.cpp's Q8_K
+ * arithmetic, in kquant_int8_cpu.c (decision 46); what follows is the int16 kernel the other
+ * kinds run (Q5_0, Q5_1, and fusions with them or with legacy parts).
  * A block's product for output o is dx (S_0 d sc_0 + S_1 d sc_1) + dm mn sx, with
  * S_h = sum (q - off) xq over the block's half h (inputs 16 h .. 16 h + 15), an integer exact
  * in int32 (|S_h| <= 255 * 32767 * 16 < 2^31); d sc_h is exact in float (11 times 8 bits), so
@@ -71,66 +74,14 @@
 
 #include <omp.h>
 
+#include "kquant_layout.h"
 #include "native.h"
-
-/* A kind's layout (the header comment): byte offsets and sizes. */
-typedef struct {
-    int bits;            /* of the widest code */
-    int shift;           /* log2 of the tile-blocks per header: 3 with KQ_SUPER, else 0 */
-    int64_t block;       /* bytes of a tile-block */
-    int64_t header;      /* bytes of a header */
-    int sc0, sc1, mn;    /* in a tile-block: the sub-scale rows of halves 0 and 1, mn (-1: none) */
-    int dm, off;         /* in a header: dm (-1: none), off (d at 0) */
-} kq_layout;
-
-static bool kq_layout_of(int kind, kq_layout *L) {
-    const int bits = kq_kind_bits(kind), flags = kq_kind_layout(kind);
-    if (!bits) return false;
-    const int two = (flags & KQ_TWO_SC) != 0, min = (flags & KQ_MIN) != 0;
-    L->bits = bits;
-    L->shift = flags & KQ_SUPER ? 3 : 0;
-    L->sc0 = 256 + 64 * (bits - 4);
-    L->sc1 = L->sc0 + 16 * two;
-    L->mn = min ? L->sc1 + 16 : -1;
-    L->block = L->sc1 + 16 + 16 * min;
-    L->dm = min ? 32 : -1;
-    L->off = 32 + 32 * min;
-    L->header = L->shift ? (L->off + 16 + 31) / 32 * 32 : L->off + 16; /* a group's bytes a multiple of 32 */
-    return true;
-}
 
 /* Bytes of a tile-block with its share of its header (so a tile of nb blocks is nb times
  * this: 8 x 48 and 8 x 80 header bytes divide by 8), or -1 for a kind not of this layout. */
 int64_t nls_kq_tile_block_bytes(int kind) {
     kq_layout L;
     return kq_layout_of(kind, &L) ? L.block + (L.header >> L.shift) : -1;
-}
-
-static inline bool kq_shape_ok(const kq_layout *L, int64_t in) {
-    return in > 0 && in % QK == 0 && (in / QK) % ((int64_t)1 << L->shift) == 0;
-}
-
-/* What a layout without dm and mn reads for them: zeros (dm mn = +0). */
-static const uint8_t kq_zeros[64] __attribute__((aligned(64))) = {0};
-
-/* Where block b of a tile keeps its numbers. */
-typedef struct {
-    const uint8_t *codes, *sc0, *sc1, *mn, *d, *dm, *off;
-} kq_block;
-
-static inline __attribute__((always_inline)) kq_block kq_block_at(const kq_layout *L, const uint8_t *tile, int64_t b) {
-    const int64_t g = b >> L->shift;
-    const uint8_t *head = tile + g * (L->header + (L->block << L->shift));
-    const uint8_t *tb = head + L->header + (b - (g << L->shift)) * L->block;
-    const kq_block k = {tb, tb + L->sc0, tb + L->sc1, L->mn < 0 ? kq_zeros : tb + L->mn,
-                        head, L->dm < 0 ? kq_zeros : head + L->dm, head + L->off};
-    return k;
-}
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
 }
 
 /* One row of `n` floats (n % 32 == 0) -> int16 codes, a scale and the exact float sum per
@@ -152,20 +103,6 @@ static void kq_quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, f
 
 /* ------------------------------------------------------------ the reference twin (C) -- */
 
-/* Output o's code for input j (0..31) of a tile-block, all its bits. */
-static inline int kq_code(const uint8_t *tb, int bits, int o, int j) {
-    const int half = j >= 16, jj = j - 16 * half, g = jj / 2, i = jj % 2;
-    const uint8_t byte = tb[32 * g + 2 * o + i];
-    int q = half ? byte >> 4 : byte & 15;
-    const int p = g + 8 * half;
-    for (int k = 0; k < bits - 4; k++) {
-        uint32_t word;
-        memcpy(&word, tb + 256 + 64 * k + 4 * p, sizeof word);
-        q |= (int)((word >> (2 * o + i)) & 1u) << (4 + k);
-    }
-    return q;
-}
-
 /* The same products as the vector kernels, one output and one row at a time. */
 int nls_kq_matmul_ref(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x,
                       int64_t rows, float *y) {
@@ -180,6 +117,14 @@ int nls_kq_matmul_ref(int kind, const uint8_t *w, int64_t out, int64_t in, const
     }
     for (int64_t r = 0; r < rows; r++) {
         kq_quantize_row(x + r * in, in, xq, dx, sx);
+        if (kq8_runs(&L)) { /* int8 per 256 (kquant_int8_cpu.c), from the same int16 row */
+            const int status = kq8_ref_rows(&L, w, out, in, xq, dx, 1, y + r * out);
+            if (status) {
+                free(xq), free(dx), free(sx);
+                return status;
+            }
+            continue;
+        }
         for (int64_t o = 0; o < out; o++) {
             const uint8_t *tile = w + (o / TILE) * nb * tb_bytes;
             const int ot = (int)(o % TILE);
@@ -434,7 +379,6 @@ static void kq_tile_rows_raw(const uint8_t *tile, int64_t nb, const kq_layout *L
 #define KQ_HAS_FEW_ROWS 0
 #endif
 
-static inline int64_t kq_round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
 
 static inline int64_t kq_activation_bytes(int64_t in, int64_t rows) {
     return kq_round_up_64(rows * in * (int64_t)sizeof(int16_t) + 2 * rows * (in / QK) * (int64_t)sizeof(float));
@@ -496,6 +440,7 @@ void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, c
                           const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
     kq_layout L;
     if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in)) return; /* every thread alike: callers check */
+    if (kq8_runs(&L) && kq8_matmul_shared(&L, w, out, in, xq, dx, rows, acc, y)) return;
     const int64_t tiles = (out + TILE - 1) / TILE;
     int32_t *xs = rows <= KQ_RAW_ROWS ? malloc(sizeof(int32_t) * (size_t)(rows * in / 16)) : NULL;
     if (xs) kq_half_sums(xq, in, rows, xs);
