@@ -37,11 +37,7 @@ def decode_bytes_per_token(path: str | Path) -> int:
     tensors = gguf.GGUFReader(str(path)).tensors
     names = {tensor.name for tensor in tensors}
     tied = OUTPUT_HEAD not in names
-    return sum(
-        int(tensor.n_bytes)
-        for tensor in tensors
-        if tensor.name != TOKEN_EMBEDDING or tied
-    )  # fmt: skip
+    return sum(int(t.n_bytes) for t in tensors if t.name != TOKEN_EMBEDDING or tied)
 
 
 def read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -58,7 +58,7 @@ def kquant_layout(kind: int) -> int:
 
 
 def kquant_offsets(kind: int) -> dict[str, int]:
-    """Where a K-quant kind keeps its numbers (`kq_layout_of` of kquant_cpu.c): `group`
+    """Where a K-quant kind keeps its numbers (`kq_layout_of` of kquant_layout.h): `group`
     tile-blocks per header; `block` and `header` bytes; in a tile-block the sub-scale rows
     `sc0`, `sc1` and `mn` (-1: none); in a header `d` (0), `dm` (-1: none) and `off`."""
     bits, layout = kquant_bits(kind), kquant_layout(kind)

@@ -379,7 +379,6 @@ static void kq_tile_rows_raw(const uint8_t *tile, int64_t nb, const kq_layout *L
 #define KQ_HAS_FEW_ROWS 0
 #endif
 
-
 static inline int64_t kq_activation_bytes(int64_t in, int64_t rows) {
     return kq_round_up_64(rows * in * (int64_t)sizeof(int16_t) + 2 * rows * (in / QK) * (int64_t)sizeof(float));
 }

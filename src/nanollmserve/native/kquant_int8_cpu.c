@@ -37,9 +37,9 @@
  * - AVX2: vpmaddubsw and vpmaddwd. The same quads come from 16-bit unpacks, in the output
  *   order 0-3, 8-11 | 4-7, 12-15, set right once per super-block. A super-block is decoded
  *   once into an array, then each row runs its 8 blocks with its sums in registers.
- * Measured before it was taken (scripts/kquant_int8_probe.py, docs/benchmarks.md "int8
- * activations at the K-quant kernel"): Q4_K 1.56-1.72x the int16 kernel at 8-32 rows, 1.3-1.6x
- * at one row; Q6_K 1.2-1.5x.
+ * Measured before it was taken (scripts/kquant_int8_probe.py at 3551471, docs/benchmarks.md
+ * "int8 activations at the K-quant kernel"): Q4_K 1.56-1.72x the int16 kernel at 8-32 rows,
+ * 1.3-1.6x at one row; Q6_K 1.2-1.5x.
  */
 
 #include <stdlib.h>
@@ -94,6 +94,13 @@ static void kq8_super_block(const int16_t *xq, const float *dx, int8_t *q8, floa
 }
 
 static inline int kq8_half_sum(int32_t pair, int h) { return h ? (int16_t)((uint32_t)pair >> 16) : (int16_t)pair; }
+
+/* The two higher-bit words (plane `p`) that cover quad k of half h: pairs 8 h + 2 k (low
+ * 32 bits: inputs 16 h + 4 k, +1) and 8 h + 2 k + 1 (high: +2, +3). */
+static inline uint64_t kq8_hi_words(const uint8_t *tb, int p, int h, int k) {
+    const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * p);
+    return hi[8 * h + 2 * k] | (uint64_t)hi[8 * h + 2 * k + 1] << 32;
+}
 
 /* ------------------------------------------------------------ the reference twin (C) -- */
 
@@ -164,12 +171,10 @@ static inline __attribute__((always_inline)) void kq8_decode(const uint8_t *tb, 
     const __m512i bit_of = _mm512_broadcast_i32x4(_mm_set_epi8((char)0x80, 0x40, (char)0x80, 0x40, 0x20, 0x10, 0x20, 0x10,
                                                                0x08, 0x04, 0x08, 0x04, 0x02, 0x01, 0x02, 0x01));
     for (int p = 0; p < bits - 4; p++) {
-        const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * p);
         const __m512i bit = _mm512_set1_epi8((char)(16 << p));
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 4; k++) {
-                const uint64_t words = hi[8 * h + 2 * k] | (uint64_t)hi[8 * h + 2 * k + 1] << 32;
-                const __m512i v = _mm512_shuffle_epi8(_mm512_set1_epi64((long long)words), pick);
+                const __m512i v = _mm512_shuffle_epi8(_mm512_set1_epi64((long long)kq8_hi_words(tb, p, h, k)), pick);
                 q[4 * h + k] = _mm512_mask_add_epi8(q[4 * h + k], _mm512_test_epi8_mask(v, bit_of), q[4 * h + k], bit);
             }
     }
@@ -305,12 +310,10 @@ static inline __attribute__((always_inline)) void kq8_decode(const uint8_t *tb, 
                                             (char)0x80, 0x40, (char)0x80, 0x01, 0x02, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08,
                                             0x10, 0x20, 0x10, 0x20, 0x40, (char)0x80, 0x40, (char)0x80);
     for (int p = 0; p < bits - 4; p++) {
-        const uint32_t *hi = (const uint32_t *)(tb + 256 + 64 * p);
         const __m256i bit = _mm256_set1_epi8((char)(16 << p));
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 4; k++) {
-                const uint64_t words = hi[8 * h + 2 * k] | (uint64_t)hi[8 * h + 2 * k + 1] << 32;
-                const __m256i v = _mm256_set1_epi64x((long long)words);
+                const __m256i v = _mm256_set1_epi64x((long long)kq8_hi_words(tb, p, h, k));
                 for (int i = 0; i < 2; i++) {
                     const __m256i m = _mm256_and_si256(_mm256_shuffle_epi8(v, pick[i]), bit_of);
                     q[4 * h + k][i] = _mm256_or_si256(q[4 * h + k][i], _mm256_and_si256(_mm256_cmpeq_epi8(m, bit_of), bit));
