@@ -1,21 +1,20 @@
 """Where an engine step's time goes: the breakdown table of docs/benchmarks.md.
 
     .venv/bin/python scripts/profile_breakdown.py [--batch 1,32] [--steps 30]
-        [--paths native,forward] [--kv-cache-dtype auto] [--serve]
+        [--paths native,forward] [--kv-cache-dtype auto] [--serve] [--model FILE]
 
-Offline part: the bundled model (CPU default dtype), B requests decoding together; each
-step is split, with wall-clock timers around the engine's own functions (no profiler, whose
-per-op cost would distort a step of ~1000 small ops), into scheduling, input building (the
-step's `StepBatch`, and the forward's attention context from it), model
-forward, the attention layers inside it (K/V store, gather through the block tables, SDPA),
-logits (or, with GGUF blocks, the native decode step that does all three, itself split by
-its own timers into its products, attention, rotary + K/V write and the rest:
-`ops.decode_profile`), sampling, engine update and detokenization (the output processor).
-`--paths native,forward` measures each batch both ways in one run: the native step, then
-the PyTorch forward on the same engine (`native_decode` switched off). `--serve` adds
-the server's share: our server under `bench serve` at concurrency 32, with the CPU time of
-the HTTP thread (the process's main thread: asyncio, JSON, SSE) against the whole process,
-read from /proc.
+Offline part: the bundled model or `--model FILE` (CPU default dtype), B requests decoding
+together; each step is split, with wall-clock timers around the engine's own functions (no
+profiler, whose per-op cost would distort a step of ~1000 small ops), into scheduling, input
+building (the step's `StepBatch`, and the forward's attention context from it), model forward,
+the attention layers inside it (K/V store, gather through the block tables, SDPA), logits (or,
+with GGUF blocks, the native decode step that does all three, itself split by its own timers
+into its products, attention, rotary + K/V write and the rest: `ops.decode_profile`), sampling,
+engine update and detokenization (the output processor). `--paths native,forward` measures each
+batch both ways in one run: the native step, then the PyTorch forward on the same engine
+(`native_decode` switched off). `--serve` adds the server's share: our server under `bench
+serve` at concurrency 32, with the CPU time of the HTTP thread (the process's main thread:
+asyncio, JSON, SSE) against the whole process, read from /proc.
 Prints one JSON object.
 """
 
@@ -33,7 +32,6 @@ from pathlib import Path
 import torch
 
 from nanollmserve import LLM, SamplingParams
-from nanollmserve.engine.messages import EngineCoreRequest
 from nanollmserve.engine.step_batch import StepBatch
 from nanollmserve.layers.attention import PagedAttention
 
@@ -79,11 +77,11 @@ def offline(llm: LLM, batch: int, steps: int, path: str) -> dict:
         if getattr(owner, attr) is not None:
             setattr(owner, attr, timed(name, getattr(owner, attr)))
     processor = llm.driver.output_processor
-    for output_id, text in [(str(i), "Once upon a time " * 32) for i in range(batch)]:
+    for i in range(batch):
+        output_id, text = f"{path}-{batch}-{i}", "Once upon a time " * 32
         prompt, token_ids = llm.input_processor.tokenize(text)
         params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
-        processor.add_request(output_id, prompt, token_ids, [output_id], params, time.time())
-        engine.add_request(EngineCoreRequest(output_id, token_ids, params))
+        llm.driver.add_request(llm.admission.admit(output_id, prompt, token_ids, params))
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
@@ -99,7 +97,8 @@ def offline(llm: LLM, batch: int, steps: int, path: str) -> dict:
     total = time.perf_counter() - start
     native_parts = ops.decode_profile(enable=False)
     attention = timings["attention"]
-    engine.abort_requests([str(i) for i in range(batch)])
+    for i in range(batch):
+        llm.driver.abort_request(f"{path}-{batch}-{i}")
     while engine.has_unfinished_requests():
         engine.step()
     for owner, attr, original in saved:
@@ -173,11 +172,13 @@ def main() -> None:
     parser.add_argument("--paths", default="native", help="native, forward or native,forward")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--model", default=None, help="a GGUF file or model dir (default: bundled)")
     args = parser.parse_args()
     from nanollmserve.bench.provenance import provenance
 
     result = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    llm = LLM(num_kv_blocks=4096, kv_cache_dtype=args.kv_cache_dtype)
+    model = {"model": args.model} if args.model else {}
+    llm = LLM(**model, num_kv_blocks=4096, kv_cache_dtype=args.kv_cache_dtype)
     result["offline"] = [
         offline(llm, int(b), args.steps, path)
         for b in args.batch.split(",")
