@@ -122,14 +122,15 @@ def test_without_llama_quantize_only_the_f16_file_is_written(tmp_path: Path) -> 
 def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -> None:
     """The bundled model requantized by llama.cpp to Q4_K_M is the mix the issue names (576-wide
     rows cannot hold K-quant super-blocks: Q5_0 fall-backs); one real tensor of each K-quant
-    or 5-bit type in it runs on the native kernel within its activations' bound (int16; int8
-    per 256 for Q4_K and Q6_K, decision 46) of the `gguf` package's dequantization."""
+    or 5-bit type in it runs on the native kernel within its activations' bound (int16, then
+    int8 per 256 for Q4_K and Q6_K, decision 46, and per 32 for Q5_0, decision 47) of the
+    `gguf` package's dequantization."""
     import numpy as np
     import torch
 
     from nanollmserve.model.gguf_kquants import KQUANT_TYPES, read_kquant_rows
     from nanollmserve.native import ops
-    from nanollmserve.native.abi import KQ_SUPER, kquant_layout
+    from nanollmserve.native.abi import kquant_int8_group
 
     env = {**os.environ, "BENCH_MODEL_DIR": str(tmp_path), "BENCH_MODEL_TYPES": "Q4_K_M"}
     proc = subprocess.run(
@@ -156,9 +157,10 @@ def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -
         exact = xs.double().numpy() @ weights.T
         step = xs.abs().reshape(5, -1, 32).amax(-1).double().numpy() / 32767
         half_step = np.repeat(step, 32, axis=1) / 2
-        if kquant_layout(rows.kind) & KQ_SUPER:  # int8 per 256 after the int16 rows
-            step8 = xs.abs().reshape(5, -1, 256).amax(-1).double().numpy() * (1 + 1e-4) / 127
-            half_step = half_step + np.repeat(step8, 256, axis=1) / 2
+        group = kquant_int8_group(rows.kind)
+        if group:  # int8 per 256 or per 32 after the int16 rows
+            step8 = xs.abs().reshape(5, -1, group).amax(-1).double().numpy() * (1 + 1e-4) / 127
+            half_step = half_step + np.repeat(step8, group, axis=1) / 2
         bound = half_step @ np.abs(weights).T
         bound += 2e-6 * (xs.abs().double().numpy() @ np.abs(weights).T)
         assert (np.abs(got.numpy() - exact) <= bound).all(), t.name

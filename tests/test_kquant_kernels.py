@@ -10,9 +10,11 @@ package (the oracle), against
   in its own process: the library is chosen once per process), and the K-quant kernel's
   plain-C twin, at 1, 5, 24, 48 and 64 rows, within the error their activations allow:
   int16 activations are off by at most half their block's step (max |x| / 32767 / 2), so an
-  output is off by at most sum |w| * step / 2, plus float32 rounding. The super-block kinds
-  (Q4_K, Q5_K, Q6_K and their fusions; decision 46) requantize those int16 rows to int8 per
-  256 inputs, which adds half an int8 step (max |x| over the 256 / 127 / 2) per input.
+  output is off by at most sum |w| * step / 2, plus float32 rounding. The K-quant kinds of at
+  most 6-bit codes requantize those int16 rows to int8, per 256 inputs for the super-block
+  kinds (Q4_K, Q5_K, Q6_K and their fusions; decision 46) and per 32 for the others (Q5_0,
+  Q5_1 and their fusions; decision 47), which adds half an int8 step (max |x| over the group /
+  127 / 2) per input.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from nanollmserve.model.gguf_blocks import _block_rows
 from nanollmserve.model.gguf_kquants import KQUANT_TYPES, STORED, fuse_rows, read_kquant_rows
-from nanollmserve.native.abi import KQ_SUPER, kquant_layout
+from nanollmserve.native.abi import kquant_int8_group
 
 pytestmark = pytest.mark.milestone("m31")
 
@@ -110,9 +112,10 @@ def kernel_errors() -> dict:
             step = np.abs(x).reshape(count, -1, 32).max(-1) / 32767  # per activation block
             half_step = np.repeat(step, 32, axis=1) / 2
             kind = legacy.kind if type_name in LEGACY else rows.kind
-            if type_name not in LEGACY and kquant_layout(kind) & KQ_SUPER:  # int8 per 256
-                step8 = np.abs(x).reshape(count, -1, 256).max(-1) * (1 + 1e-4) / 127
-                half_step = half_step + np.repeat(step8, 256, axis=1) / 2
+            group = None if type_name in LEGACY else kquant_int8_group(kind)
+            if group:  # int8 per 256 (super-block kinds) or per 32 (the others)
+                step8 = np.abs(x).reshape(count, -1, group).max(-1) * (1 + 1e-4) / 127
+                half_step = half_step + np.repeat(step8, group, axis=1) / 2
             magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
             bound = half_step @ np.abs(weights).T + 2e-6 * magnitude + 1e-30
             xt = torch.from_numpy(x)
@@ -182,3 +185,43 @@ def test_a_rows_numbers_do_not_depend_on_how_many_rows_share_the_call() -> None:
     )
     assert torch.equal(together, one_by_one)
     assert torch.equal(together[:7], ops.kquant_matmul(rows.kind, tiles, 40, x[:7]))
+
+
+def int8_model(x: np.ndarray, weights: np.ndarray, group: int) -> np.ndarray:
+    """The products as kquant_int8_cpu.c defines them, in numpy: each row quantized to int16
+    per 32 (kq_quantize_row), requantized to int8 per `group` inputs (kq8_requantize), in the
+    same float32 steps, then multiplied by the exact weights in float64."""
+    blocks = x.astype(np.float32).reshape(len(x), -1, 32)
+    amax = np.abs(blocks).max(-1)
+    q16 = np.rint(blocks * (np.float32(32767) / amax)[..., None]).astype(np.float32)
+    dx = amax / np.float32(32767)
+    per_group = group // 32
+    m = (dx * np.abs(q16).max(-1)).reshape(len(x), -1, per_group).max(-1)  # max |dx q| a group
+    d8 = m / np.float32(127)
+    scale = (dx.reshape(len(x), -1, per_group) * (np.float32(127) / m)[..., None]).reshape(dx.shape)
+    q8 = np.clip(np.rint(q16 * scale[..., None]), -127, 127).astype(np.float64)
+    a = q8.reshape(len(x), -1, group) * d8.astype(np.float64)[..., None]
+    return a.reshape(len(x), -1) @ weights.T
+
+
+@pytest.mark.parametrize(("type_name", "group"), [("Q5_0", 32), ("Q5_1", 32), ("Q4_K", 256)])
+def test_the_kernel_multiplies_int8_activations_per_group(type_name: str, group: int) -> None:
+    """Which arithmetic runs, not only how close it is: Q5_0 and Q5_1 multiply int8
+    activations per 32 inputs (decision 47), Q4_K per 256 (decision 46). The kernel matches
+    the numpy model of that arithmetic to float32 rounding, while the model is a hundred times
+    further from the exact products (and so from int16 activations, or another group)."""
+    from nanollmserve.native import ops
+
+    raw = random_blocks(type_name, OUT, IN, seed=40)
+    rows = read_kquant_rows(type_name, raw, IN)
+    assert kquant_int8_group(rows.kind) == group
+    weights = oracle(type_name, raw)
+    x = np.random.default_rng(41).standard_normal((5, IN)).astype(np.float32)
+    x[:, :32] *= 50
+    got = ops.kquant_matmul(rows.kind, torch.from_numpy(rows.tiled()), OUT, torch.from_numpy(x))
+    model = int8_model(x, weights, group)
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
+    off_model = np.abs(got.numpy() - model) / magnitude
+    off_exact = np.abs(model - x.astype(np.float64) @ weights.T) / magnitude
+    assert off_model.max() < 1e-5, off_model.max()
+    assert off_exact.max() > 100 * off_model.max() and off_exact.max() > 1e-4, off_exact.max()

@@ -57,6 +57,17 @@ def kquant_layout(kind: int) -> int:
     return (kind - KIND_KQ4) // 8
 
 
+def kquant_int8_group(kind: int) -> int | None:
+    """Inputs per int8 activation scale where a K-quant kind multiplies int8 activations
+    (kquant_int8_cpu.c's `kq8_runs`): 256 for the super-block kinds (decision 46), 32 for the
+    per-block kinds (Q5_0, Q5_1 and their fusions, decision 47); None for a kind with 7- or
+    8-bit codes (a fused legacy Q8_0 part), which keeps int16 activations."""
+    bits = kquant_bits(kind)
+    if bits is None or bits > 6:
+        return None
+    return 256 if kquant_layout(kind) & KQ_SUPER else 32
+
+
 def kquant_offsets(kind: int) -> dict[str, int]:
     """Where a K-quant kind keeps its numbers (`kq_layout_of` of kquant_layout.h): `group`
     tile-blocks per header; `block` and `header` bytes; in a tile-block the sub-scale rows

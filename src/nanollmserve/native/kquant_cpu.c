@@ -13,10 +13,12 @@
  *     Q5_0:       d, sc 1, off 16, no m;            Q5_1: d, sc 1, m = dm, mn 1, off 0.
  * So one kernel runs them all (`bits` of the widest code, `off` per output), with the
  * activations of today's block kernels (gguf_cpu.c): each row quantized per block of 32 to
- * int16 with one float scale dx and its exact sum sx. The super-block kinds (KQ_SUPER below:
- * every part Q4_K, Q5_K or Q6_K) take those rows on to int8 per 256 inputs, llama.cpp's Q8_K
- * arithmetic, in kquant_int8_cpu.c (decision 46); what follows is the int16 kernel the other
- * kinds run (Q5_0, Q5_1, and fusions with them or with legacy parts).
+ * int16 with one float scale dx and its exact sum sx. The kinds of at most 6-bit codes take
+ * those rows on to int8 in kquant_int8_cpu.c, llama.cpp's arithmetic: per 256 inputs for the
+ * super-block kinds (KQ_SUPER below: every part Q4_K, Q5_K or Q6_K; its Q8_K, decision 46) and
+ * per 32 for the others (Q5_0, Q5_1 and their fusions; its Q8_0 / Q8_1, decision 47). What
+ * follows is the int16 kernel the 7- and 8-bit kinds run (fusions with a legacy Q8_0 part),
+ * and any kind where the int8 rows' buffer cannot be allocated.
  * A block's product for output o is dx (S_0 d sc_0 + S_1 d sc_1) + dm mn sx, with
  * S_h = sum (q - off) xq over the block's half h (inputs 16 h .. 16 h + 15), an integer exact
  * in int32 (|S_h| <= 255 * 32767 * 16 < 2^31); d sc_h is exact in float (11 times 8 bits), so

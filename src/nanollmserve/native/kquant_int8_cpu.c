@@ -1,10 +1,14 @@
-/* Products of the super-block K-quant kinds (every part Q4_K, Q5_K or Q6_K: kquant_cpu.c's
- * KQ_SUPER layout, codes of at most 6 bits) with int8 activations per 256 inputs, llama.cpp's
- * Q8_K arithmetic on the files made for it (decision 46). kquant_cpu.c's
- * `nls_kq_matmul_shared` hands these kinds here; the other kinds keep its int16 kernel.
+/* Products of the K-quant kinds whose codes are at most 6 bits with int8 activations,
+ * llama.cpp's arithmetic on the files made for it: per 256 inputs for the super-block kinds
+ * (every part Q4_K, Q5_K or Q6_K: kquant_cpu.c's KQ_SUPER layout; llama.cpp's Q8_K, decision
+ * 46), per 32 for the per-block kinds (Q5_0, Q5_1 and their fusions with K-quant parts; its
+ * Q8_0 / Q8_1, decision 47). An activation group is what one weight header covers: G = 8
+ * blocks of 32 (a super-block) or G = 1. kquant_cpu.c's `nls_kq_matmul_shared` hands these
+ * kinds here; a kind with 7- or 8-bit codes (a fused legacy Q8_0 part) keeps its int16
+ * kernel.
  *
  * Activations. Each row arrives as the decode step quantizes it: int16 codes per block of 32
- * with a scale dx (kquant_cpu.c's kq_quantize_row). Per 256 inputs (a super-block) the row is
+ * with a scale dx (kquant_cpu.c's kq_quantize_row). Per activation group the row is
  * requantized from those numbers to int8:
  *     d8 = max |dx_b q| / 127,   q8 = round(dx_b q / d8) (to nearest even),
  * and X_bh, the sum of q8 over each half h of block b, is kept as an int16 pair. The PyTorch
@@ -12,34 +16,40 @@
  * compute the same numbers. A row's numbers depend only on that row, not on the batch it ran
  * in.
  *
- * Products. With w = d sc_h (q - off) + dm mn (kquant_cpu.c's header), a row's super-block
- * product for output o is
+ * Products. With w = d sc_h (q - off) + dm mn (kquant_cpu.c's header), a row's group product
+ * for output o is
  *     d d8 (sum_b sum_h sc_bh A_bh - off sum_b sum_h sc_bh X_bh) + dm d8 sum_b mn_b X_b,
  * with A_bh = sum over half h of block b of q q8 (the raw codes, 0..63) and X_b = X_b0 + X_b1.
- * The min term takes the int8 sums, as llama.cpp's bsums do, and not the exact float sums the
- * int16 kernel uses. A Q4_K weight is d sc q less a min of about the same size, so its
- * products cancel. With the exact sums on the min term and the rounded activations on the
- * codes, the rounding does not cancel. Measured on the bundled Q4_K_M file's Q4_K down
- * projection: the product's error went from 5.2e-2 to the int8 rounding's own 1.7e-2.
+ * The offset term is kept where a part may have an offset (a Q6_K part's 32, Q5_0's 16: every
+ * per-block kind), and the min term where a part has a min. Both take the int8 sums, as
+ * llama.cpp's bsums and Q8_1 sums do, and not the exact float sums the int16 kernel uses. A
+ * Q4_K weight is d sc q less a min of about the same size, so its products cancel. With the
+ * exact sums on the min term and the rounded activations on the codes, the rounding does not
+ * cancel. Measured on the bundled Q4_K_M file's Q4_K down projection: the product's error
+ * went from 5.2e-2 to the int8 rounding's own 1.7e-2.
  * Every integer sum is exact in int32: |sc A| <= 128 * 63 * 127 * 16 per half, over 16
- * halves < 2^31, and |mn X| <= 63 * 127 * 32 a block. d, dm and off are constant over a
- * super-block in this layout. The float steps, per super-block:
+ * halves < 2^31, and |mn X| <= 63 * 127 * 32 a block. d, dm and off are constant over a group
+ * in this layout. The float steps, per group:
  *     acc = fma(S, d d8, acc), then acc = fma(M, dm d8, acc),
  * with S and M the two integer sums. The C twin takes the same integers and the same float
- * steps (fmaf).
+ * steps (fmaf). Per block (G = 1) the float steps come after every 32 inputs, which is why
+ * int8 per 32 gains less than per 256 (the probe: 1.2-1.4x against 1.6-1.7x on Q4_K).
  *
  * Kernels.
  * - AVX-512 VNNI: vpdpbusd multiplies 4 code bytes by 4 activation bytes per output lane. A
  *   tile-block's nibble bytes give each output's quads with one word permutation per 64 bytes,
  *   and the higher code bits go in per byte through a byte-test mask. Rows run in register
- *   groups of up to 4, with the flags (a Q6_K part: two sub-scale rows and an offset; a min)
- *   constant at each call, so that the sums stay in registers.
+ *   groups of up to 4, with the group size and the flags (two sub-scale rows; an offset; a
+ *   min) constant at each call, so that the sums stay in registers.
  * - AVX2: vpmaddubsw and vpmaddwd. The same quads come from 16-bit unpacks, in the output
- *   order 0-3, 8-11 | 4-7, 12-15, set right once per super-block. A super-block is decoded
- *   once into an array, then each row runs its 8 blocks with its sums in registers.
+ *   order 0-3, 8-11 | 4-7, 12-15, set right once per group. A group is decoded once into an
+ *   array, then each row runs its blocks with its sums in registers. vpmaddubsw adds pairs of
+ *   products in int16, which holds for codes of at most 6 bits (4 * 63 * 127 < 2^15), hence
+ *   the 7- and 8-bit kinds' int16 kernel.
  * Measured before it was taken (scripts/kquant_int8_probe.py at 3551471, docs/benchmarks.md
  * "int8 activations at the K-quant kernel"): Q4_K 1.56-1.72x the int16 kernel at 8-32 rows,
- * 1.3-1.6x at one row; Q6_K 1.2-1.5x.
+ * 1.3-1.6x at one row; Q6_K 1.2-1.5x. Per 32 on Q5_0 and Q5_1 (docs/benchmarks.md "int8 per
+ * 32 for Q5_0 and Q5_1"): 1.1-1.9x at AVX-512.
  */
 
 #include <stdlib.h>
@@ -49,16 +59,20 @@
 #include "kquant_layout.h"
 #include "native.h"
 
-#define Q8_SUPER 256 /* inputs per activation scale: one super-block */
 
-bool kq8_runs(const kq_layout *L) { return L->shift == 3 && L->bits <= 6; }
+bool kq8_runs(const kq_layout *L) { return L->bits <= 6; }
 
-/* One super-block of a row (256 int16 codes, 8 blocks of 32 with their dx) -> its int8 codes
- * `q8`, their scale `*d8` and the int16 pairs of their half sums `xs` (X_b0 low, X_b1 high)
- * per block, in AVX2 (both builds have it), rounding to nearest even. */
-static void kq8_super_block(const int16_t *xq, const float *dx, int8_t *q8, float *d8, int32_t *xs) {
+/* Whether a part may have a code offset: Q6_K (two sub-scale rows) or any per-block kind
+ * (Q5_0, Q4_0: off 16, 8); Q4_K and Q5_K have none. */
+static inline bool kq8_has_off(const kq_layout *L) { return L->sc1 != L->sc0 || L->shift == 0; }
+
+/* One activation group of a row (G blocks of 32 int16 codes with their dx: a super-block, or
+ * one block) -> its int8 codes `q8`, their scale `*d8` and the int16 pairs of their half sums
+ * `xs` (X_b0 low, X_b1 high) per block, in AVX2 (both builds have it), rounding to nearest
+ * even. */
+static void kq8_requantize(const int16_t *xq, const float *dx, int G, int8_t *q8, float *d8, int32_t *xs) {
     float amax = 0.0f;
-    for (int b = 0; b < 8; b++) {
+    for (int b = 0; b < G; b++) {
         const __m256i m = _mm256_max_epi16(_mm256_abs_epi16(_mm256_loadu_si256((const __m256i *)(xq + b * QK))),
                                            _mm256_abs_epi16(_mm256_loadu_si256((const __m256i *)(xq + b * QK + 16))));
         __m128i v = _mm_max_epi16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
@@ -70,7 +84,7 @@ static void kq8_super_block(const int16_t *xq, const float *dx, int8_t *q8, floa
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     *d8 = amax / 127.0f;
     const __m256i lim = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int b = 0; b < 8; b++) {
+    for (int b = 0; b < G; b++) {
         const __m256 scale = _mm256_set1_ps(dx[b] * id);
         __m256i q[4];
         for (int g = 0; g < 4; g++) {
@@ -106,7 +120,8 @@ static inline uint64_t kq8_hi_words(const uint8_t *tb, int p, int h, int k) {
 
 int kq8_ref_rows(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                  const float *dx, int64_t rows, float *y) {
-    const int64_t nb = in / QK, nsb = in / Q8_SUPER, tb_bytes = L->block + (L->header >> L->shift);
+    const int G = 1 << L->shift;
+    const int64_t nb = in / QK, nsb = nb / G, tb_bytes = L->block + (L->header >> L->shift);
     int8_t *q8 = malloc((size_t)in);
     float *d8 = malloc(sizeof(float) * (size_t)nsb);
     int32_t *xs = malloc(sizeof(int32_t) * (size_t)nb);
@@ -116,15 +131,15 @@ int kq8_ref_rows(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, 
     }
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t sb = 0; sb < nsb; sb++)
-            kq8_super_block(xq + r * in + sb * Q8_SUPER, dx + r * nb + sb * 8, q8 + sb * Q8_SUPER, d8 + sb, xs + sb * 8);
+            kq8_requantize(xq + r * in + sb * G * QK, dx + r * nb + sb * G, G, q8 + sb * G * QK, d8 + sb, xs + sb * G);
         for (int64_t o = 0; o < out; o++) {
             const uint8_t *tile = w + (o / TILE) * nb * tb_bytes;
             const int ot = (int)(o % TILE);
             float acc = 0.0f;
             for (int64_t s = 0; s < nsb; s++) {
                 int32_t sum = 0, corr = 0, mins = 0;
-                const kq_block k0 = kq_block_at(L, tile, s * 8);
-                for (int64_t b = s * 8; b < s * 8 + 8; b++) {
+                const kq_block k0 = kq_block_at(L, tile, s * G);
+                for (int64_t b = s * G; b < s * G + G; b++) {
                     const kq_block k = kq_block_at(L, tile, b);
                     for (int h = 0; h < 2; h++) {
                         int32_t a = 0;
@@ -180,26 +195,27 @@ static inline __attribute__((always_inline)) void kq8_decode(const uint8_t *tb, 
     }
 }
 
-/* ROWS rows of one tile. TWO (a Q6_K part: two sub-scale rows, an offset) and MIN (a part
- * with a min) are constants at each call, so every row's sums stay in registers. */
+/* ROWS rows of one tile. G (blocks per activation scale: 8 or 1), TWO (a Q6_K part: two
+ * sub-scale rows), OFF (a part with a code offset: kq8_has_off) and MIN (a part with a min) are
+ * constants at each call, so every row's sums stay in registers. */
 static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *tile, int64_t nb, const kq_layout *L,
                                                                 int64_t in, const int8_t *xq, const float *d8,
-                                                                const int32_t *xs, const int ROWS,
-                                                                const bool TWO, const bool MIN, float *y, int64_t ldy,
-                                                                int valid) {
-    const int64_t nsb = nb / 8;
+                                                                const int32_t *xs, const int ROWS, const int G,
+                                                                const bool TWO, const bool OFF, const bool MIN,
+                                                                float *y, int64_t ldy, int valid) {
+    const int64_t nsb = nb / G;
     __m512 accf[4];
     for (int r = 0; r < ROWS; r++) accf[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const kq_block k0 = kq_block_at(L, tile, sb * 8);
+        const kq_block k0 = kq_block_at(L, tile, sb * G);
         __m512i acci[4], corr[4], mins[4];
         for (int r = 0; r < ROWS; r++) {
             acci[r] = _mm512_setzero_si512();
-            if (TWO) corr[r] = _mm512_setzero_si512();
+            if (OFF) corr[r] = _mm512_setzero_si512();
             if (MIN) mins[r] = _mm512_setzero_si512();
         }
-        for (int j = 0; j < 8; j++) {
-            const int64_t b = sb * 8 + j;
+        for (int j = 0; j < G; j++) {
+            const int64_t b = sb * G + j;
             const kq_block k = kq_block_at(L, tile, b);
             _mm_prefetch((const char *)(k.codes + 2 * L->block), _MM_HINT_T0);
             __m512i q[8];
@@ -207,8 +223,8 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
             const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k.sc0));
             const __m512i sc1 = TWO ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k.sc1)) : sc0;
             /* lane o: sc_0 (low int16), sc_1 (high), against a row's X_0, X_1 pair */
-            const __m512i scpair = TWO ? _mm512_or_si512(_mm512_and_si512(sc0, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc1, 16))
-                                       : sc0;
+            /* lane o: sc_0 (low int16), sc_1 (high: sc_0 again without a second row) */
+            const __m512i scpair = _mm512_or_si512(_mm512_and_si512(sc0, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc1, 16));
             /* lane o: mn in both int16 halves, against a row's X_0, X_1 pair: mn (X_0 + X_1) */
             const __m512i mn = MIN ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.mn)) : _mm512_setzero_si512();
             const __m512i mnpair = _mm512_or_si512(mn, _mm512_slli_epi32(mn, 16));
@@ -221,19 +237,19 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
                         a1 = _mm512_dpbusd_epi32(a1, q[4 + kq], _mm512_set1_epi32(xp[4 + kq]));
                     }
                     acci[r] = _mm512_add_epi32(acci[r], _mm512_add_epi32(_mm512_mullo_epi32(a0, sc0), _mm512_mullo_epi32(a1, sc1)));
-                    corr[r] = _mm512_dpwssd_epi32(corr[r], scpair, _mm512_set1_epi32(xs[r * nb + b]));
                 } else {
                     __m512i a = _mm512_setzero_si512();
                     for (int kq = 0; kq < 8; kq++) a = _mm512_dpbusd_epi32(a, q[kq], _mm512_set1_epi32(xp[kq]));
                     acci[r] = _mm512_add_epi32(acci[r], _mm512_mullo_epi32(a, sc0));
                 }
+                if (OFF) corr[r] = _mm512_dpwssd_epi32(corr[r], scpair, _mm512_set1_epi32(xs[r * nb + b]));
                 if (MIN) mins[r] = _mm512_dpwssd_epi32(mins[r], mnpair, _mm512_set1_epi32(xs[r * nb + b]));
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)k0.d));
         for (int r = 0; r < ROWS; r++) {
             __m512i s = acci[r];
-            if (TWO) s = _mm512_sub_epi32(s, _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k0.off)), corr[r]));
+            if (OFF) s = _mm512_sub_epi32(s, _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k0.off)), corr[r]));
             const __m512 scale = _mm512_set1_ps(d8[r * nsb + sb]);
             accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, scale), accf[r]);
             if (MIN)
@@ -248,19 +264,19 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
     }
 }
 
-#define KQ8_ROWS(TWO, MIN)                                                                                         \
+#define KQ8_ROWS(G, TWO, OFF, MIN)                                                                                 \
     switch (group) {                                                                                              \
-    case 1: kq8_tile_rows(tile, nb, L, in, x, d, h, 1, TWO, MIN, yt, out, valid); break;                      \
-    case 2: kq8_tile_rows(tile, nb, L, in, x, d, h, 2, TWO, MIN, yt, out, valid); break;                      \
-    case 3: kq8_tile_rows(tile, nb, L, in, x, d, h, 3, TWO, MIN, yt, out, valid); break;                      \
-    default: kq8_tile_rows(tile, nb, L, in, x, d, h, 4, TWO, MIN, yt, out, valid); break;                     \
+    case 1: kq8_tile_rows(tile, nb, L, in, x, d, h, 1, G, TWO, OFF, MIN, yt, out, valid); break;              \
+    case 2: kq8_tile_rows(tile, nb, L, in, x, d, h, 2, G, TWO, OFF, MIN, yt, out, valid); break;              \
+    case 3: kq8_tile_rows(tile, nb, L, in, x, d, h, 3, G, TWO, OFF, MIN, yt, out, valid); break;              \
+    default: kq8_tile_rows(tile, nb, L, in, x, d, h, 4, G, TWO, OFF, MIN, yt, out, valid); break;             \
     }
 
 /* Tile `t` against every row, in groups of up to 4 (two balanced groups where 5 to 7 remain). */
 static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t out, int64_t in, const int8_t *q8,
                      const float *d8, const int32_t *xs, int64_t rows, float *acc, float *y) {
     (void)acc;
-    const int64_t nb = in / QK, nsb = in / Q8_SUPER, tb_bytes = L->block + (L->header >> L->shift);
+    const int64_t nb = in / QK, nsb = nb >> L->shift, tb_bytes = L->block + (L->header >> L->shift);
     const uint8_t *tile = w + t * nb * tb_bytes;
     const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
     const bool two = L->sc1 != L->sc0, min = L->mn >= 0;
@@ -270,10 +286,17 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
         const float *d = d8 + r0 * nsb;
         const int32_t *h = xs + r0 * nb;
         float *yt = y + r0 * out + t * TILE;
-        if (two && min) KQ8_ROWS(true, true)
-        else if (two) KQ8_ROWS(true, false)
-        else if (min) KQ8_ROWS(false, true)
-        else KQ8_ROWS(false, false)
+        if (L->shift) { /* a super-block: Q4_K, Q5_K (no offset) or with a Q6_K part */
+            if (two && min) KQ8_ROWS(8, true, true, true)
+            else if (two) KQ8_ROWS(8, true, true, false)
+            else if (min) KQ8_ROWS(8, false, false, true)
+            else KQ8_ROWS(8, false, false, false)
+        } else { /* a block: Q5_0, Q5_1 and their fusions, an offset per output */
+            if (two && min) KQ8_ROWS(1, true, true, true)
+            else if (two) KQ8_ROWS(1, true, true, false)
+            else if (min) KQ8_ROWS(1, false, true, true)
+            else KQ8_ROWS(1, false, true, false)
+        }
         r0 += group;
     }
 }
@@ -354,15 +377,16 @@ static inline void kq8_natural(const __m256i v[2], __m256i out[2]) {
 
 static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t out, int64_t in, const int8_t *q8,
                      const float *d8, const int32_t *xs, int64_t rows, float *acc, float *y) {
-    const int64_t nb = in / QK, nsb = in / Q8_SUPER, tb_bytes = L->block + (L->header >> L->shift);
+    const int G = 1 << L->shift;
+    const int64_t nb = in / QK, nsb = nb / G, tb_bytes = L->block + (L->header >> L->shift);
     const uint8_t *tile = w + t * nb * tb_bytes;
     const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
-    const bool two = L->sc1 != L->sc0, min = L->mn >= 0;
+    const bool two = L->sc1 != L->sc0, has_off = kq8_has_off(L), min = L->mn >= 0;
     kq8_super S;
     memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
     for (int64_t sb = 0; sb < nsb; sb++) {
-        for (int j = 0; j < 8; j++) {
-            const kq_block k = kq_block_at(L, tile, sb * 8 + j);
+        for (int j = 0; j < G; j++) {
+            const kq_block k = kq_block_at(L, tile, sb * G + j);
             kq8_decode(k.codes, L->bits, S.q[j]);
             kq8_lanes_i8(k.sc0, S.sc0[j]);
             kq8_lanes_i8(k.sc1, S.sc1[j]);
@@ -374,7 +398,7 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
                 S.mnpair[j][i] = _mm256_or_si256(mn[i], _mm256_slli_epi32(mn[i], 16));
             }
         }
-        const kq_block k0 = kq_block_at(L, tile, sb * 8);
+        const kq_block k0 = kq_block_at(L, tile, sb * G);
         const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)k0.d)),
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k0.d + 16)))};
         const __m256 dm[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)k0.dm)),
@@ -384,18 +408,18 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
         for (int64_t r = 0; r < rows; r++) {
             __m256i acci[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, corr[2] = {acci[0], acci[0]};
             __m256i mins[2] = {acci[0], acci[0]};
-            for (int j = 0; j < 8; j++) {
-                const int64_t b = sb * 8 + j;
+            for (int j = 0; j < G; j++) {
+                const int64_t b = sb * G + j;
                 const int32_t *xp = (const int32_t *)(q8 + r * in + b * QK);
                 for (int i = 0; i < 2; i++) {
                     const __m256i a0 = kq8_half(S.q[j], xp, 0, i), a1 = kq8_half(S.q[j], xp, 1, i);
                     if (two) {
                         acci[i] = _mm256_add_epi32(acci[i], _mm256_add_epi32(_mm256_mullo_epi32(a0, S.sc0[j][i]),
                                                                              _mm256_mullo_epi32(a1, S.sc1[j][i])));
-                        corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(S.scpair[j][i], _mm256_set1_epi32(xs[r * nb + b])));
                     } else {
                         acci[i] = _mm256_add_epi32(acci[i], _mm256_mullo_epi32(_mm256_add_epi32(a0, a1), S.sc0[j][i]));
                     }
+                    if (has_off) corr[i] = _mm256_add_epi32(corr[i], _mm256_madd_epi16(S.scpair[j][i], _mm256_set1_epi32(xs[r * nb + b])));
                     if (min) mins[i] = _mm256_add_epi32(mins[i], _mm256_madd_epi16(S.mnpair[j][i], _mm256_set1_epi32(xs[r * nb + b])));
                 }
             }
@@ -405,7 +429,7 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
             kq8_natural(mins, mc);
             const __m256 scale = _mm256_set1_ps(d8[r * nsb + sb]);
             for (int i = 0; i < 2; i++) {
-                const __m256i s = two ? _mm256_sub_epi32(sum[i], _mm256_mullo_epi32(off[i], cor[i])) : sum[i];
+                const __m256i s = has_off ? _mm256_sub_epi32(sum[i], _mm256_mullo_epi32(off[i], cor[i])) : sum[i];
                 float *a = acc + 16 * r + 8 * i;
                 __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d[i], scale), _mm256_loadu_ps(a));
                 if (min) v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mc[i]), _mm256_mul_ps(dm[i], scale), v);
@@ -418,13 +442,14 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
 }
 #endif
 
-/* The tiles of a super-block kind shared among the threads of the enclosing parallel region
- * (kquant_cpu.c's nls_kq_matmul_shared hands them here): the rows requantized once into a
- * buffer the threads share, then the tiles. Returns false, every thread alike, where that
+/* The tiles of a K-quant kind of at most 6-bit codes (kq8_runs) shared among the threads of the enclosing
+ * parallel region (kquant_cpu.c's nls_kq_matmul_shared hands them here): the rows requantized
+ * once into a buffer the threads share, then the tiles. Returns false, every thread alike, where that
  * buffer cannot be had; the caller then runs its int16 kernel. */
 bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                        const float *dx, int64_t rows, float *acc, float *y) {
-    const int64_t nb = in / QK, nsb = in / Q8_SUPER, tiles = (out + TILE - 1) / TILE;
+    const int G = 1 << L->shift;
+    const int64_t nb = in / QK, nsb = nb / G, tiles = (out + TILE - 1) / TILE;
     const int64_t q8_bytes = kq_round_up_64(rows * in), d8_bytes = kq_round_up_64(rows * nsb * (int64_t)sizeof(float));
     uint8_t *buffer = NULL;
 #pragma omp single copyprivate(buffer)
@@ -434,8 +459,8 @@ bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_
     float *d8 = (float *)(buffer + q8_bytes);
     int32_t *xs = (int32_t *)(buffer + q8_bytes + d8_bytes);
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < rows * nsb; u++) /* super-blocks, so that one row is shared too */
-        kq8_super_block(xq + u * Q8_SUPER, dx + u * 8, q8 + u * Q8_SUPER, d8 + u, xs + u * 8);
+    for (int64_t u = 0; u < rows * nsb; u++) /* activation groups, so that one row is shared too */
+        kq8_requantize(xq + u * G * QK, dx + u * G, G, q8 + u * G * QK, d8 + u, xs + u * G);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) kq8_tile(L, w, t, out, in, q8, d8, xs, rows, acc, y);
 #pragma omp single
