@@ -119,7 +119,7 @@ int nls_kq_matmul_ref(int kind, const uint8_t *w, int64_t out, int64_t in, const
     }
     for (int64_t r = 0; r < rows; r++) {
         kq_quantize_row(x + r * in, in, xq, dx, sx);
-        if (kq8_runs(&L)) { /* int8 per 256 (kquant_int8_cpu.c), from the same int16 row */
+        if (kq8_runs(&L)) { /* int8 per 256 or 32 (kquant_int8_cpu.c), from the same int16 row */
             const int status = kq8_ref_rows(&L, w, out, in, xq, dx, 1, y + r * out);
             if (status) {
                 free(xq), free(dx), free(sx);

@@ -48,8 +48,8 @@
  *   the 7- and 8-bit kinds' int16 kernel.
  * Measured before it was taken (scripts/kquant_int8_probe.py at 3551471, docs/benchmarks.md
  * "int8 activations at the K-quant kernel"): Q4_K 1.56-1.72x the int16 kernel at 8-32 rows,
- * 1.3-1.6x at one row; Q6_K 1.2-1.5x. Per 32 on Q5_0 and Q5_1 (docs/benchmarks.md "int8 per
- * 32 for Q5_0 and Q5_1"): 1.1-1.9x at AVX-512.
+ * 1.3-1.6x at one row; Q6_K 1.2-1.5x. Per 32, measured after it was taken (docs/benchmarks.md
+ * "int8 per 32 for Q5_0 and Q5_1"): Q5_0 1.2-1.5x at 8 and 32 rows on both ISA levels.
  */
 
 #include <stdlib.h>
@@ -305,7 +305,7 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
  * 8-11, half 1 outputs 4-7 and 12-15 (the lanes of a 16-bit unpack). */
 static const int8_t kq8_order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-/* A super-block's 8 tile-blocks decoded: q[b][4 h + k][i], and per block the sub-scales
+/* A group's tile-blocks (8, or 1 per block) decoded: q[b][4 h + k][i], and per block the sub-scales
  * (int32), their int16 pairs and the mins (float) in the same output order. */
 typedef struct {
     __m256i q[8][8][2];
@@ -442,10 +442,10 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
 }
 #endif
 
-/* The tiles of a K-quant kind of at most 6-bit codes (kq8_runs) shared among the threads of the enclosing
- * parallel region (kquant_cpu.c's nls_kq_matmul_shared hands them here): the rows requantized
- * once into a buffer the threads share, then the tiles. Returns false, every thread alike, where that
- * buffer cannot be had; the caller then runs its int16 kernel. */
+/* The tiles of a K-quant kind of at most 6-bit codes (kq8_runs) shared among the threads of
+ * the enclosing parallel region (kquant_cpu.c's nls_kq_matmul_shared hands them here): the rows
+ * requantized once into a buffer the threads share, then the tiles. Returns false, every thread
+ * alike, where that buffer cannot be had; the caller then runs its int16 kernel. */
 bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                        const float *dx, int64_t rows, float *acc, float *y) {
     const int G = 1 << L->shift;

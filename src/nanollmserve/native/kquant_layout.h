@@ -1,6 +1,7 @@
 /* The K-quant tile layout (kquant_cpu.c's header comment has the byte map), shared by the
  * two sources that multiply it: kquant_cpu.c (int16 activations) and kquant_int8_cpu.c (int8
- * activations per 256 inputs for the super-block kinds). Static inline helpers only. */
+ * activations for the kinds of at most 6-bit codes, per 256 inputs for the super-block kinds
+ * and per 32 for the others). Static inline helpers only. */
 #ifndef NLS_KQUANT_LAYOUT_H
 #define NLS_KQUANT_LAYOUT_H
 
