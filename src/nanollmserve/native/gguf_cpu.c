@@ -444,6 +444,13 @@ static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, c
 #else
     (void)amx_work;
 #endif
+    nls_block_tiles_shared(kind, w, out, in, xq, dx, sx, rows, acc, y);
+}
+
+/* The vector kernels' tiles of KIND_Q4 or KIND_Q8 against `rows` int16 rows, shared among the
+ * threads of the enclosing parallel region (an orphaned loop ending in a barrier). */
+void nls_block_tiles_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                            const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {

@@ -444,22 +444,31 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
 #endif
 
 /* The rows requantized per activation group of G blocks into a buffer the threads of the
- * enclosing parallel region share (q8, then d8, then xs). Returns NULL, every thread alike,
- * where that buffer cannot be had; else the buffer, which the caller frees in one thread. */
+ * enclosing parallel region share (q8, d8, xs, and where `q16` is not NULL the q8 codes again
+ * as int16). Returns NULL, every thread alike, where that buffer cannot be had; else the
+ * buffer, which the caller frees in one thread. */
 static uint8_t *kq8_requantize_shared(int G, int64_t in, const int16_t *xq, const float *dx, int64_t rows,
-                                      int8_t **q8, float **d8, int32_t **xs) {
+                                      int8_t **q8, float **d8, int32_t **xs, int16_t **q16) {
     const int64_t nb = in / QK, nsb = nb / G;
     const int64_t q8_bytes = kq_round_up_64(rows * in), d8_bytes = kq_round_up_64(rows * nsb * (int64_t)sizeof(float));
+    const int64_t xs_bytes = kq_round_up_64(rows * nb * (int64_t)sizeof(int32_t));
+    const int64_t q16_bytes = q16 ? rows * in * (int64_t)sizeof(int16_t) : 0;
     uint8_t *buffer = NULL;
 #pragma omp single copyprivate(buffer)
-    buffer = malloc((size_t)(q8_bytes + d8_bytes + rows * nb * (int64_t)sizeof(int32_t)));
+    buffer = malloc((size_t)(q8_bytes + d8_bytes + xs_bytes + q16_bytes));
     if (!buffer) return NULL;
     *q8 = (int8_t *)buffer;
     *d8 = (float *)(buffer + q8_bytes);
     *xs = (int32_t *)(buffer + q8_bytes + d8_bytes);
+    if (q16) *q16 = (int16_t *)(buffer + q8_bytes + d8_bytes + xs_bytes);
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < rows * nsb; u++) /* activation groups, so that one row is shared too */
+    for (int64_t u = 0; u < rows * nsb; u++) { /* activation groups, so that one row is shared too */
         kq8_requantize(xq + u * G * QK, dx + u * G, G, *q8 + u * G * QK, *d8 + u, *xs + u * G);
+        if (q16)
+            for (int64_t j = 0; j < G * QK; j += 16)
+                _mm256_storeu_si256((__m256i *)(*q16 + u * G * QK + j),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(*q8 + u * G * QK + j))));
+    }
     return buffer;
 }
 
@@ -473,7 +482,7 @@ bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_
     int8_t *q8;
     float *d8;
     int32_t *xs;
-    uint8_t *buffer = kq8_requantize_shared(1 << L->shift, in, xq, dx, rows, &q8, &d8, &xs);
+    uint8_t *buffer = kq8_requantize_shared(1 << L->shift, in, xq, dx, rows, &q8, &d8, &xs, NULL);
     if (!buffer) return false;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) kq8_tile(L, w, t, out, in, q8, d8, xs, rows, acc, y);
@@ -587,67 +596,33 @@ static void q8i8_tile(const uint8_t *w, int64_t t, int64_t out, int64_t in, cons
         r0 += group;
     }
 }
-#else
-/* AVX2: a block decoded once (per quad k and half i, in kq8_order's output order: the codes'
- * magnitudes and the codes themselves, whose signs the rows take), then each row's sums, its
- * floats in `acc` (16 a row). */
-static void q8i8_tile(const uint8_t *w, int64_t t, int64_t out, int64_t in, const int8_t *q8, const float *d8,
-                      const int32_t *xs, int64_t rows, float *acc, float *y) {
-    (void)xs;
-    const int64_t nb = in / QK, tb_bytes = tile_block_bytes(KIND_Q8);
-    const uint8_t *tile = w + t * nb * tb_bytes;
-    const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
-    const __m256i ones = _mm256_set1_epi16(1);
-    memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tile + b * tb_bytes;
-        for (int64_t line = 0; line < tb_bytes; line += 64) _mm_prefetch((const char *)(tb + 2 * tb_bytes + line), _MM_HINT_T0);
-        __m256i mag[8][2], sgn[8][2];
-        for (int k = 0; k < 8; k++) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(tb + 64 * k));      /* inputs 4k, 4k + 1 */
-            const __m256i hi = _mm256_loadu_si256((const __m256i *)(tb + 64 * k + 32)); /* 4k + 2, 4k + 3 */
-            sgn[k][0] = _mm256_unpacklo_epi16(lo, hi);
-            sgn[k][1] = _mm256_unpackhi_epi16(lo, hi);
-            mag[k][0] = _mm256_abs_epi8(sgn[k][0]);
-            mag[k][1] = _mm256_abs_epi8(sgn[k][1]);
-        }
-        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 512))),
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 528)))};
-        for (int64_t r = 0; r < rows; r++) {
-            const int32_t *xp = (const int32_t *)(q8 + r * in + b * QK);
-            __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int k = 0; k < 8; k++) {
-                const __m256i x = _mm256_set1_epi32(xp[k]);
-                for (int i = 0; i < 2; i++)
-                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag[k][i], _mm256_sign_epi8(x, sgn[k][i])), ones));
-            }
-            __m256i natural[2];
-            kq8_natural(sum, natural);
-            const __m256 scale = _mm256_set1_ps(d8[r * nb + b]);
-            for (int i = 0; i < 2; i++) {
-                float *a = acc + 16 * r + 8 * i;
-                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(natural[i]), _mm256_mul_ps(d[i], scale), _mm256_loadu_ps(a)));
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int j = 0; j < valid; j++) y[r * out + t * TILE + j] = acc[16 * r + j];
-}
 #endif
 
 /* Q8_0 blocks (KIND_Q8) with int8 activations, the tiles shared among the threads of the
  * enclosing parallel region (gguf_cpu.c's matmul_shared and nls_gguf_matmul hand them here):
- * as kq8_matmul_shared, per block of 32. `acc`: this thread's room for 16 floats a row. */
+ * the rows requantized per block of 32 as in kq8_matmul_shared, then the tiles. At AVX2 the
+ * int8 rows go, widened back to int16, through gguf_cpu.c's int16 kernel with d8 for dx:
+ * the same integer sums and the same float step per block, so the same bits, and the int16
+ * kernel's speed (vpmaddubsw with the sign trick runs as many instructions as the widened
+ * vpmaddwd for 8-bit codes, and the int16 kernel keeps its register row groups). `acc`: this
+ * thread's room for 32 floats a row. */
 int nls_q8i8_matmul_shared(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx,
                            int64_t rows, float *acc, float *y) {
-    const int64_t tiles = (out + TILE - 1) / TILE;
     int8_t *q8;
     float *d8;
     int32_t *xs;
-    uint8_t *buffer = kq8_requantize_shared(1, in, xq, dx, rows, &q8, &d8, &xs);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    uint8_t *buffer = kq8_requantize_shared(1, in, xq, dx, rows, &q8, &d8, &xs, NULL);
     if (!buffer) return false;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) q8i8_tile(w, t, out, in, q8, d8, xs, rows, acc, y);
+#else
+    int16_t *q16;
+    uint8_t *buffer = kq8_requantize_shared(1, in, xq, dx, rows, &q8, &d8, &xs, &q16);
+    if (!buffer) return false;
+    nls_block_tiles_shared(KIND_Q8, w, out, in, q16, d8, d8, rows, acc, y);
+#endif
 #pragma omp single
     free(buffer);
     return true;

@@ -47,6 +47,10 @@ void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, c
  * cannot be had; the caller then runs its int16 kernel. */
 int nls_q8i8_matmul_shared(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx,
                            int64_t rows, float *acc, float *y);
+/* gguf_cpu.c's vector kernels for KIND_Q4 / KIND_Q8 tiles against int16 rows (dx, and sx for
+ * KIND_Q4), shared among the threads of the enclosing parallel region; `acc`: 32 floats a row. */
+void nls_block_tiles_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                            const float *dx, const float *sx, int64_t rows, float *acc, float *y);
 /* out[in] = row `row` of W (kquant_cpu.c's layout of K-quant `kind`) dequantized,
  * d * sc * (q - off) + dm * mn per weight: the decode step's embedding lookup in such a table. */
 void nls_kq_dequant_row(int kind, const uint8_t *w, int64_t in, int64_t row, float *out);
