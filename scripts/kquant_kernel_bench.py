@@ -35,8 +35,9 @@ HALF_FIELDS = {
     "Q5_0": (0,),
     "Q5_1": (0, 2),
     "Q4_0": (0,),
+    "Q8_0": (0,),
 }
-LEGACY = {"Q4_0": (32, 18)}
+LEGACY = {"Q4_0": (32, 18), "Q8_0": (32, 34)}
 """Legacy types, run on gguf_cpu.c's own kernel (`ops.gguf_matmul`) for comparison."""
 
 
@@ -60,7 +61,9 @@ def shell(*cmd: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K"], help="also Q4_0 (legacy)")
+    parser.add_argument(
+        "--types", nargs="+", default=["Q4_K", "Q6_K"], help="also Q4_0, Q8_0 (legacy)"
+    )
     parser.add_argument("--shape", nargs="+", default=["2048x8192", "8192x2048"], help="OUTxIN")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 32])
     parser.add_argument("--calls", type=int, default=30)

@@ -1,5 +1,5 @@
 """Every `DecoderOptions` field, set to a value other than its default on a tiny random model
-with its projections in Q8 blocks: the native step either runs it with the PyTorch forward's
+with its projections in Q4_0 blocks: the native step either runs it with the PyTorch forward's
 logits and K/V, or refuses it at load with the field's name, logged at WARNING. Never silence.
 
 The fields are enumerated with `dataclasses.fields`, so a field added to `DecoderOptions`
@@ -7,6 +7,13 @@ is covered here as it lands: with no value in `NON_DEFAULT` (bool fields need no
 fails and asks for one; not named in `native.supported.SUPPORTED` it must be refused. Each
 field is also run with its name taken out of `SUPPORTED`, so the refusal path is exercised
 for every field, not only for those the C step lacks today.
+
+The blocks are Q4_0 because its kernel keeps int16 activations: the step and the forward
+quantize activations that differ in their last float bits (fused against unfused ops), and
+with Q8_0's int8 activations (decision 48) one flipped code, 1/127 of a block's largest
+activation, moved these random models' logits by up to 1e-2, above the bounds that tell a
+missing bias or norm apart. The int8 kernels are held to the `gguf` oracle in
+tests/test_kquant_kernels.py; tests/test_native_decode.py runs the step over Q8 blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +25,12 @@ from dataclasses import fields, replace
 import pytest
 import torch
 from test_model_parity import make_tiny_hf_model
-from test_native_decode import check_step_against_forward, native_against_forward, to_block_layers
+from test_native_decode import (
+    check_step_against_forward,
+    native_against_forward,
+    q4_0_rows,
+    to_block_layers,
+)
 from transformers import AutoTokenizer, LlamaConfig
 
 from nanollmserve import LLM
@@ -66,7 +78,7 @@ def tiny_dir(tmp_path_factory):
 
 def rebuild_with(llm: LLM, options: DecoderOptions) -> LlamaForCausalLM:
     """The LLM's model built again with `options`: the loaded weights where the shapes agree,
-    random biases and norms where the options add them; every projection in Q8 blocks; the
+    random biases and norms where the options add them; every projection in Q4_0 blocks; the
     KV cache bound to it and its native step built (or refused) as at load."""
     runner = llm.engine.model_runner
     loaded = runner.model.state_dict()
@@ -81,7 +93,7 @@ def rebuild_with(llm: LLM, options: DecoderOptions) -> LlamaForCausalLM:
             else:
                 param.copy_(0.15 * torch.randn(param.shape, generator=generator))
     model.requires_grad_(False)
-    to_block_layers(model)
+    to_block_layers(model, q4_0_rows)
     runner.model = model
     runner.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     runner._allocate_kv_cache()

@@ -143,7 +143,10 @@ def test_a_kquant_table_is_looked_up_in_its_blocks(
     """A Q4_K_M-like file (untied: a Q4_K `token_embd` beside a Q6_K `output`) and a tied
     Q6_K table: the table's blocks are cached with the linear weights (a tied table's are the
     output projection's), no float32 table is written or kept, and greedy answers are the
-    dequantized model's, on the native step and through the PyTorch forward."""
+    dequantized model's, on the native step and through the PyTorch forward. The linear
+    weights are Q4_0, whose kernel keeps int16 activations (Q8_0's multiplies int8 ones,
+    decision 48, which may flip this random model's near-ties); the output projection keeps
+    int16 whatever its type."""
     monkeypatch.setenv("NANOLLMSERVE_CACHE", str(tmp_path / "cache"))
     hidden, inter, vocab = 256, 512, 128
     scale = {"Q4_K": 2e-3, "Q6_K": 1e-3}[table_type]
@@ -152,7 +155,7 @@ def test_a_kquant_table_is_looked_up_in_its_blocks(
         raw["output.weight"] = ("Q6_K", random_blocks("Q6_K", vocab, hidden, 6, 1e-4))
     path = write_tiny_gguf(
         tmp_path / "kquant-table.gguf", tied=tied, hidden=hidden, inter=inter,
-        block_type="Q8_0", raw_blocks=raw,
+        block_type="Q4_0", raw_blocks=raw,
     )  # fmt: skip
     gguf = make_llm(model=str(path), dtype="auto", block_size=16)
     model = gguf.engine.loaded.model

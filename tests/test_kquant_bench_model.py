@@ -130,7 +130,7 @@ def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -
 
     from nanollmserve.model.gguf_kquants import KQUANT_TYPES, read_kquant_rows
     from nanollmserve.native import ops
-    from nanollmserve.native.abi import kquant_int8_group
+    from nanollmserve.native.abi import int8_group
 
     env = {**os.environ, "BENCH_MODEL_DIR": str(tmp_path), "BENCH_MODEL_TYPES": "Q4_K_M"}
     proc = subprocess.run(
@@ -157,7 +157,7 @@ def test_the_bundled_model_as_q4_k_m_runs_on_the_kquant_kernel(tmp_path: Path) -
         exact = xs.double().numpy() @ weights.T
         step = xs.abs().reshape(5, -1, 32).amax(-1).double().numpy() / 32767
         half_step = np.repeat(step, 32, axis=1) / 2
-        group = kquant_int8_group(rows.kind)
+        group = int8_group(rows.kind)
         if group:  # int8 per 256 or per 32 after the int16 rows
             step8 = xs.abs().reshape(5, -1, group).amax(-1).double().numpy() * (1 + 1e-4) / 127
             half_step = half_step + np.repeat(step8, group, axis=1) / 2

@@ -13,8 +13,8 @@ package (the oracle), against
   output is off by at most sum |w| * step / 2, plus float32 rounding. The K-quant kinds of at
   most 6-bit codes requantize those int16 rows to int8, per 256 inputs for the super-block
   kinds (Q4_K, Q5_K, Q6_K and their fusions; decision 46) and per 32 for the others (Q5_0,
-  Q5_1 and their fusions; decision 47), which adds half an int8 step (max |x| over the group /
-  127 / 2) per input.
+  Q5_1 and their fusions; decision 47), as does Q8_0 (per 32; decision 48, with its own C twin),
+  which adds half an int8 step (max |x| over the group / 127 / 2) per input.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from nanollmserve.model.gguf_blocks import _block_rows
 from nanollmserve.model.gguf_kquants import KQUANT_TYPES, STORED, fuse_rows, read_kquant_rows
-from nanollmserve.native.abi import kquant_int8_group
+from nanollmserve.native.abi import int8_group
 
 pytestmark = pytest.mark.milestone("m31")
 
@@ -112,14 +112,17 @@ def kernel_errors() -> dict:
             step = np.abs(x).reshape(count, -1, 32).max(-1) / 32767  # per activation block
             half_step = np.repeat(step, 32, axis=1) / 2
             kind = legacy.kind if type_name in LEGACY else rows.kind
-            group = None if type_name in LEGACY else kquant_int8_group(kind)
+            group = int8_group(kind)
             if group:  # int8 per 256 (super-block kinds) or per 32 (the others)
                 step8 = np.abs(x).reshape(count, -1, group).max(-1) * (1 + 1e-4) / 127
                 half_step = half_step + np.repeat(step8, group, axis=1) / 2
             magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
             bound = half_step @ np.abs(weights).T + 2e-6 * magnitude + 1e-30
             xt = torch.from_numpy(x)
-            if type_name in LEGACY:  # no C twin: the vector kernel stands for both
+            if type_name == "Q8_0":  # its int8 kernel's C twin (decision 48)
+                vec = ops.gguf_matmul(legacy.kind, tiles, OUT, xt, None).numpy()
+                ref = ops.q8_matmul_reference(tiles, OUT, xt).numpy()
+            elif type_name in LEGACY:  # no C twin: the vector kernel stands for both
                 vec = ref = ops.gguf_matmul(legacy.kind, tiles, OUT, xt, None).numpy()
             else:
                 vec = ops.kquant_matmul(rows.kind, tiles, OUT, xt).numpy()
@@ -204,24 +207,62 @@ def int8_model(x: np.ndarray, weights: np.ndarray, group: int) -> np.ndarray:
     return a.reshape(len(x), -1) @ weights.T
 
 
-@pytest.mark.parametrize(("type_name", "group"), [("Q5_0", 32), ("Q5_1", 32), ("Q4_K", 256)])
+@pytest.mark.parametrize(
+    ("type_name", "group"), [("Q5_0", 32), ("Q5_1", 32), ("Q4_K", 256), ("Q8_0", 32)]
+)
 def test_the_kernel_multiplies_int8_activations_per_group(type_name: str, group: int) -> None:
     """Which arithmetic runs, not only how close it is: Q5_0 and Q5_1 multiply int8
-    activations per 32 inputs (decision 47), Q4_K per 256 (decision 46). The kernel matches
-    the numpy model of that arithmetic to float32 rounding, while the model is a hundred times
-    further from the exact products (and so from int16 activations, or another group)."""
+    activations per 32 inputs (decision 47), Q4_K per 256 (decision 46), Q8_0 per 32 (decision
+    48). The kernel matches the numpy model of that arithmetic to float32 rounding, while the
+    model is a hundred times further from the exact products (and so from int16 activations,
+    or another group)."""
     from nanollmserve.native import ops
 
     raw = random_blocks(type_name, OUT, IN, seed=40)
-    rows = read_kquant_rows(type_name, raw, IN)
-    assert kquant_int8_group(rows.kind) == group
     weights = oracle(type_name, raw)
     x = np.random.default_rng(41).standard_normal((5, IN)).astype(np.float32)
     x[:, :32] *= 50
-    got = ops.kquant_matmul(rows.kind, torch.from_numpy(rows.tiled()), OUT, torch.from_numpy(x))
+    if type_name in LEGACY:
+        legacy = _block_rows(raw, type_name)
+        assert int8_group(legacy.kind) == group
+        got = ops.gguf_matmul(legacy.kind, legacy.tiled(), OUT, torch.from_numpy(x), None)
+    else:
+        rows = read_kquant_rows(type_name, raw, IN)
+        assert int8_group(rows.kind) == group
+        tiles = torch.from_numpy(rows.tiled())
+        got = ops.kquant_matmul(rows.kind, tiles, OUT, torch.from_numpy(x))
     model = int8_model(x, weights, group)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
     off_model = np.abs(got.numpy() - model) / magnitude
     off_exact = np.abs(model - x.astype(np.float64) @ weights.T) / magnitude
     assert off_model.max() < 1e-5, off_model.max()
     assert off_exact.max() > 100 * off_model.max() and off_exact.max() > 1e-4, off_exact.max()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0", "Q8_0"])
+def test_int16_keeps_the_int16_activations_of_every_kind(type_name: str) -> None:
+    """`int16=True` (the output projection's products, decision 48) runs the int16 arithmetic
+    whatever the kind: within the int16 bound, a hundred times closer to the exact products
+    than the same kind's int8 products."""
+    from nanollmserve.native import ops
+
+    raw = random_blocks(type_name, OUT, IN, seed=50)
+    weights = oracle(type_name, raw)
+    x = np.random.default_rng(51).standard_normal((5, IN)).astype(np.float32)
+    x[:, :32] *= 50
+    xt = torch.from_numpy(x)
+    if type_name in LEGACY:
+        rows = _block_rows(raw, type_name)
+        tiles = rows.tiled()
+    else:
+        rows = read_kquant_rows(type_name, raw, IN)
+        tiles = torch.from_numpy(rows.tiled())
+    int16 = ops.gguf_matmul(rows.kind, tiles, OUT, xt, None, int16=True).numpy()
+    int8 = ops.gguf_matmul(rows.kind, tiles, OUT, xt, None).numpy()
+    exact = x.astype(np.float64) @ weights.T
+    step = np.abs(x).reshape(5, -1, 32).max(-1) / 32767
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(weights).T
+    bound = np.repeat(step, 32, axis=1) / 2 @ np.abs(weights).T + 2e-6 * magnitude
+    assert (np.abs(int16 - exact) <= bound).all()
+    off16 = (np.abs(int16 - exact) / magnitude).max()
+    assert (np.abs(int8 - exact) / magnitude).max() > 100 * off16

@@ -26,7 +26,7 @@ from nanollmserve.native.abi import (
     KQ_MIN,
     KQ_SUPER,
     KQ_TWO_SC,
-    kquant_int8_group,
+    int8_group,
     kquant_kind,
 )
 
@@ -124,7 +124,7 @@ def test_every_linear_runs_its_blocks_with_the_dequantized_models_answers(mixed_
         if isinstance(module, GGUFLinear) and module.in_features == HIDDEN:
             expected = x @ weights[f"{name}.weight"].T
             error = float((module(x) - expected).norm() / expected.norm())
-            if kquant_int8_group(module.kind):
+            if int8_group(module.kind):
                 assert error < 2e-2, (name, error)  # int8 activations per 256 or 32: ~7e-3
             else:
                 assert error < 1e-3, (name, error)  # int16 activations: ~1e-5

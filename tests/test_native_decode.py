@@ -307,11 +307,23 @@ def q8_rows(weight: torch.Tensor) -> BlockRows:
     return BlockRows(KIND_Q8, torch.from_numpy(np.ascontiguousarray(rows)))
 
 
-def to_block_layers(model: nn.Module) -> None:
-    """Every projection of the decoder as a GGUFLinear over Q8 blocks of its own weights."""
+def q4_0_rows(weight: torch.Tensor) -> BlockRows:
+    """Quantize a float32 weight to Q4_0 blocks (the `gguf` package's quantizer): a kind whose
+    kernel keeps int16 activations, where Q8_0's multiplies int8 ones (decision 48)."""
+    import gguf
+
+    from nanollmserve.model.gguf_blocks import _block_rows
+
+    values = weight.detach().float().numpy()
+    return _block_rows(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0), "Q4_0")
+
+
+def to_block_layers(model: nn.Module, quantize=q8_rows) -> None:
+    """Every projection of the decoder as a GGUFLinear over blocks of its own weights
+    (`quantize`: Q8 blocks unless told)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and ".layers." in name:
-            blocks = q8_rows(module.weight)
+            blocks = quantize(module.weight)
             parent_name, _, attr = name.rpartition(".")
             layer = GGUFLinear(blocks, module.bias, module.out_features, module.in_features)
             setattr(model.get_submodule(parent_name), attr, layer)

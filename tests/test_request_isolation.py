@@ -274,6 +274,6 @@ def test_native_entry_points_refuse_out_of_range_inputs(make_llm):
     workspace = torch.empty(1 << 16, dtype=torch.uint8)
     status = library.nls_gguf_matmul(
         projection.kind, projection.tiles.data_ptr(), projection.out_features, 33,
-        q.data_ptr(), 1, None, out.data_ptr(), workspace.data_ptr(), workspace.numel(), 1,
+        q.data_ptr(), 1, None, 0, out.data_ptr(), workspace.data_ptr(), workspace.numel(), 1,
     )  # fmt: skip
     assert status == -5  # NLS_BAD_SHAPE

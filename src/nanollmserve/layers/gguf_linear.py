@@ -33,7 +33,9 @@ from nanollmserve.model.gguf_blocks import BlockRows, BlockTiles, embedding_bloc
 
 class GGUFLinear(WeightOnlyLinear):
     """A linear layer holding its GGUF blocks, tiled for the native kernels (`tiles`), and
-    its float32 bias if any."""
+    its float32 bias if any. `int16`: its activations stay int16 whatever the blocks' type
+    (the output projection: the logits are what tokens are chosen from, decision 48); else
+    they go int8 where the type's kernel does (`abi.int8_group`)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class GGUFLinear(WeightOnlyLinear):
         bias: torch.Tensor | None,
         out_features: int,
         in_features: int,
+        int16: bool = False,
     ) -> None:
         super().__init__(out_features, in_features)
         if blocks.out_features != out_features or blocks.in_features != in_features:
@@ -54,6 +57,7 @@ class GGUFLinear(WeightOnlyLinear):
             None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         )
         self.kind = blocks.kind
+        self.int16 = int16
         self.register_buffer("tiles", blocks.tiled())
 
     @property
@@ -64,7 +68,7 @@ class GGUFLinear(WeightOnlyLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         from nanollmserve.native.ops import gguf_matmul
 
-        return gguf_matmul(self.kind, self.tiles, self.out_features, x, self.bias)
+        return gguf_matmul(self.kind, self.tiles, self.out_features, x, self.bias, self.int16)
 
 
 def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows | BlockTiles]) -> int:
@@ -95,7 +99,7 @@ def apply_gguf_blocks(model: nn.Module, blocks: dict[str, BlockRows | BlockTiles
     lm_head = getattr(model, "lm_head", "absent")
     vocab, hidden = model.model.embed_tokens.weight.shape
     if "lm_head.weight" in blocks and (lm_head is None or isinstance(lm_head, nn.Linear)):
-        model.lm_head = GGUFLinear(blocks["lm_head.weight"], None, vocab, hidden)
+        model.lm_head = GGUFLinear(blocks["lm_head.weight"], None, vocab, hidden, int16=True)
     tied = lm_head is None
     table = embedding_blocks(blocks, tied)
     if table is not None:

@@ -57,11 +57,14 @@ def kquant_layout(kind: int) -> int:
     return (kind - KIND_KQ4) // 8
 
 
-def kquant_int8_group(kind: int) -> int | None:
-    """Inputs per int8 activation scale where a K-quant kind multiplies int8 activations
-    (kquant_int8_cpu.c's `kq8_runs`): 256 for the super-block kinds (decision 46), 32 for the
-    per-block kinds (Q5_0, Q5_1 and their fusions, decision 47); None for a kind with 7- or
-    8-bit codes (a fused legacy Q8_0 part), which keeps int16 activations."""
+def int8_group(kind: int) -> int | None:
+    """Inputs per int8 activation scale where a kind's kernel multiplies int8 activations:
+    256 for the super-block K-quant kinds (kquant_int8_cpu.c's `kq8_runs`, decision 46), 32
+    for the per-block K-quant kinds (Q5_0, Q5_1 and their fusions, decision 47) and for Q8_0
+    (`KIND_Q8`, decision 48); None for Q4_0/Q4_1 (`KIND_Q4`) and a K-quant kind with 7- or
+    8-bit codes (a fused Q8_0 part), which keep int16 activations."""
+    if kind == KIND_Q8:
+        return 32
     bits = kquant_bits(kind)
     if bits is None or bits > 6:
         return None

@@ -9,6 +9,9 @@
  *    all rows of the step, and a block's products are 16-bit multiply-adds with the outputs in
  *    the vector lanes. (llama.cpp quantizes activations to int8: on the bundled model that
  *    moved the next-token distribution 45x further from float32, KL 0.046 against 0.0010.)
+ *    Q8_0 weights in the layers multiply int8 activations per block of 32 since decision 48
+ *    (kquant_int8_cpu.c, its rows requantized from these int16 ones); the output projection
+ *    keeps int16 whatever its type (`int16`: the logits tokens are chosen from).
  *
  * 2. `nls_decode_step`: the whole forward pass of a Llama-family decoder for the T tokens of
  *    a step of one or several sequences (one decode token per sequence; a speculative verify
@@ -422,13 +425,17 @@ static bool tile_times_row_groups(int kind, const uint8_t *tile, int64_t nb, int
 
 /* y[r * out + o] = (W x_r)[o] for `rows` quantized activation rows (row r at xq + r * in), the
  * tiles shared among the threads of the enclosing parallel region (an orphaned work-sharing
- * loop; it ends in a barrier). `acc`: this thread's room for 32 floats a row. */
+ * loop; it ends in a barrier). `int16`: keep the int16 activations where the kind's kernel
+ * would requantize them to int8 (Q8_0, the K-quant kinds of at most 6-bit codes): the output
+ * projection (decision 48). `acc`: this thread's room for 32 floats a row. */
 static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
-                          const float *dx, const float *sx, int64_t rows, float *acc, float *y, uint8_t *amx_work) {
+                          const float *dx, const float *sx, int64_t rows, bool int16, float *acc, float *y,
+                          uint8_t *amx_work) {
     if (kq_kind_bits(kind)) {
-        nls_kq_matmul_shared(kind, w, out, in, xq, dx, sx, rows, acc, y);
+        nls_kq_matmul_shared(kind, w, out, in, xq, dx, sx, rows, int16, acc, y);
         return;
     }
+    if (kind == KIND_Q8 && !int16 && nls_q8i8_matmul_shared(w, out, in, xq, dx, rows, acc, y)) return;
 #if NLS_HAS_AMX
     if (amx_work != NULL && rows >= AMX_STEP_MIN_ROWS) {
         nls_amx_matmul_shared(kind, w, out, in, xq, dx, sx, rows, NULL, y, amx_work);
@@ -437,6 +444,13 @@ static void matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, c
 #else
     (void)amx_work;
 #endif
+    nls_block_tiles_shared(kind, w, out, in, xq, dx, sx, rows, acc, y);
+}
+
+/* The vector kernels' tiles of KIND_Q4 or KIND_Q8 against `rows` int16 rows, shared among the
+ * threads of the enclosing parallel region (an orphaned loop ending in a barrier). */
+void nls_block_tiles_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                            const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
     const int64_t nb = in / QK, tiles = (out + TILE - 1) / TILE;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -470,11 +484,11 @@ int64_t nls_gguf_matmul_workspace_bytes(int64_t in, int64_t rows, int num_thread
 }
 
 /* y[M, out] = x[M, in] @ W^T (+ bias when not NULL) with W tiled as above (out rounded up to
- * whole tiles). `workspace`: at least nls_gguf_matmul_workspace_bytes(in, rows, num_threads)
+ * whole tiles); `int16` as matmul_shared's (the PyTorch path's output projection). `workspace`: at least nls_gguf_matmul_workspace_bytes(in, rows, num_threads)
  * bytes, reused across calls. Returns 0, or NLS_BAD_SHAPE when `in` is not a positive
  * multiple of 32, a size is negative, `kind` unknown or the workspace too small. */
 int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
-                    const float *bias, float *y, void *workspace, int64_t workspace_bytes,
+                    const float *bias, int int16, float *y, void *workspace, int64_t workspace_bytes,
                     int num_threads) {
     if (in <= 0 || in % QK || out < 0 || rows < 0 || num_threads < 1 || (kind != KIND_Q4 && kind != KIND_Q8) ||
         workspace_bytes < nls_gguf_matmul_workspace_bytes(in, rows, num_threads))
@@ -488,6 +502,15 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
+        float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * accumulator_bytes(rows));
+        if (kind == KIND_Q8 && !int16 && nls_q8i8_matmul_shared(w, out, in, xq, dx, rows, acc, y)) {
+            if (bias) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t o = 0; o < out; o++) y[r * out + o] += bias[o];
+            }
+            goto done;
+        }
 #if NLS_HAS_AMX
         if (rows >= AMX_MIN_ROWS) {
             uint8_t *amx_work = accs + (int64_t)num_threads * accumulator_bytes(rows);
@@ -495,15 +518,12 @@ int nls_gguf_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const f
             goto done;
         }
 #endif
-        float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * accumulator_bytes(rows));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
             tile_times_rows(kind, w, t, nb, in, xq, dx, sx, rows, acc, bias, y, out, valid);
         }
-#if NLS_HAS_AMX
     done:;
-#endif
     }
     return 0;
 }
@@ -891,7 +911,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) norm_and_quantize(h, L->input_norm, t, H, m->eps, xn, xq, dx, sx);
             PHASE(PHASE_OTHER);
-            matmul_shared(L->qkv_kind, L->qkv, qkv_size, H, xq, dx, sx, T, acc, qkv, amx);
+            matmul_shared(L->qkv_kind, L->qkv, qkv_size, H, xq, dx, sx, T, false, acc, qkv, amx);
             PHASE(PHASE_QKV);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -960,7 +980,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
             for (int64_t t = 0; t < T; t++)
                 quantize_row(attn + t * q_size, q_size, xq + t * q_size, dx + t * (q_size / QK), sx + t * (q_size / QK));
             PHASE(PHASE_OTHER);
-            matmul_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, T, acc, proj, amx);
+            matmul_shared(L->o_kind, L->o, H, q_size, xq, dx, sx, T, false, acc, proj, amx);
             PHASE(PHASE_O);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -976,7 +996,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                 norm_and_quantize(h, L->post_norm, t, H, m->eps, xn, xq, dx, sx);
             }
             PHASE(PHASE_OTHER);
-            matmul_shared(L->gate_up_kind, L->gate_up, 2 * (int64_t)I, H, xq, dx, sx, T, acc, gate_up, amx);
+            matmul_shared(L->gate_up_kind, L->gate_up, 2 * (int64_t)I, H, xq, dx, sx, T, false, acc, gate_up, amx);
             PHASE(PHASE_GATE_UP);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -987,7 +1007,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
                 quantize_row(act + t * I, I, xq + t * I, dx + t * (I / QK), sx + t * (I / QK));
             }
             PHASE(PHASE_OTHER);
-            matmul_shared(L->down_kind, L->down, H, I, xq, dx, sx, T, acc, proj, amx);
+            matmul_shared(L->down_kind, L->down, H, I, xq, dx, sx, T, false, acc, proj, amx);
             PHASE(PHASE_DOWN);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
@@ -1012,7 +1032,7 @@ int nls_decode_step(const nls_model *m, const int64_t *tokens, const int64_t *po
         }
         PHASE(PHASE_OTHER);
         if (m->lm_head_kind && num_logits > 0)
-            matmul_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, num_logits, acc, out, amx);
+            matmul_shared(m->lm_head_kind, m->lm_head, m->vocab, H, xq, dx, sx, num_logits, true, acc, out, amx);
         if (m->lm_head_kind && m->logit_softcap > 0.0f) { /* cap * tanh(logits / cap) (Gemma 2) */
             const float cap = m->logit_softcap;
 #pragma omp for schedule(static)

@@ -105,9 +105,25 @@ static void kq_quantize_row(const float *x, int64_t n, int16_t *qx, float *dx, f
 
 /* ------------------------------------------------------------ the reference twin (C) -- */
 
+/* gguf_cpu.c's Q8 blocks (KIND_Q8) with int8 activations per block of 32 (decision 48), one
+ * output and one row at a time: kquant_int8_cpu.c's twin from the same int16 rows. */
+int nls_q8_matmul_ref(const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows, float *y) {
+    if (in <= 0 || in % QK || out < 0 || rows < 0) return NLS_BAD_SHAPE;
+    const int64_t nb = in / QK;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)in);
+    float *dx = malloc(sizeof(float) * (size_t)nb), *sx = malloc(sizeof(float) * (size_t)nb);
+    int status = xq && dx && sx ? 0 : NLS_NO_MEMORY;
+    for (int64_t r = 0; r < rows && !status; r++) {
+        kq_quantize_row(x + r * in, in, xq, dx, sx);
+        status = q8i8_ref_rows(w, out, in, xq, dx, 1, y + r * out);
+    }
+    free(xq), free(dx), free(sx);
+    return status;
+}
+
 /* The same products as the vector kernels, one output and one row at a time. */
 int nls_kq_matmul_ref(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x,
-                      int64_t rows, float *y) {
+                      int64_t rows, int int16, float *y) {
     kq_layout L;
     if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in) || out < 0 || rows < 0) return NLS_BAD_SHAPE;
     const int64_t tb_bytes = nls_kq_tile_block_bytes(kind), nb = in / QK;
@@ -119,7 +135,7 @@ int nls_kq_matmul_ref(int kind, const uint8_t *w, int64_t out, int64_t in, const
     }
     for (int64_t r = 0; r < rows; r++) {
         kq_quantize_row(x + r * in, in, xq, dx, sx);
-        if (kq8_runs(&L)) { /* int8 per 256 or 32 (kquant_int8_cpu.c), from the same int16 row */
+        if (!int16 && kq8_runs(&L)) { /* int8 per 256 or 32 (kquant_int8_cpu.c), from the same int16 row */
             const int status = kq8_ref_rows(&L, w, out, in, xq, dx, 1, y + r * out);
             if (status) {
                 free(xq), free(dx), free(sx);
@@ -438,10 +454,10 @@ static void kq_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t out
  * the rows' halves for itself (a few microseconds; without memory it runs the offset codes,
  * the same numbers). */
 void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
-                          const float *dx, const float *sx, int64_t rows, float *acc, float *y) {
+                          const float *dx, const float *sx, int64_t rows, int int16, float *acc, float *y) {
     kq_layout L;
     if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in)) return; /* every thread alike: callers check */
-    if (kq8_runs(&L) && kq8_matmul_shared(&L, w, out, in, xq, dx, rows, acc, y)) return;
+    if (!int16 && kq8_runs(&L) && kq8_matmul_shared(&L, w, out, in, xq, dx, rows, acc, y)) return;
     const int64_t tiles = (out + TILE - 1) / TILE;
     int32_t *xs = rows <= KQ_RAW_ROWS ? malloc(sizeof(int32_t) * (size_t)(rows * in / 16)) : NULL;
     if (xs) kq_half_sums(xq, in, rows, xs);
@@ -453,7 +469,7 @@ void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, c
 /* y[M, out] = x[M, in] @ W^T with W tiled as above (`kind`: the codes' bits and the layout).
  * Returns 0, or NLS_BAD_SHAPE for a bad size, kind or workspace. */
 int nls_kq_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const float *x, int64_t rows,
-                  float *y, void *workspace, int64_t workspace_bytes, int num_threads) {
+                  int int16, float *y, void *workspace, int64_t workspace_bytes, int num_threads) {
     kq_layout L;
     if (!kq_layout_of(kind, &L) || !kq_shape_ok(&L, in) || out < 0 || rows < 0 || num_threads < 1 ||
         workspace_bytes < nls_kq_matmul_workspace_bytes(in, rows, num_threads))
@@ -469,7 +485,7 @@ int nls_kq_matmul(int kind, const uint8_t *w, int64_t out, int64_t in, const flo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) kq_quantize_row(x + r * in, in, xq + r * in, dx + r * nb, sx + r * nb);
         float *acc = (float *)(accs + (int64_t)omp_get_thread_num() * acc_bytes);
-        nls_kq_matmul_shared(kind, w, out, in, xq, dx, sx, rows, acc, y);
+        nls_kq_matmul_shared(kind, w, out, in, xq, dx, sx, rows, int16, acc, y);
     }
     return 0;
 }

@@ -1,4 +1,5 @@
-/* Products of the K-quant kinds whose codes are at most 6 bits with int8 activations,
+/* Products with int8 activations: of the K-quant kinds whose codes are at most 6 bits, and of
+ * gguf_cpu.c's Q8_0 blocks (KIND_Q8, decision 48; their section is at the end). The K-quants:
  * llama.cpp's arithmetic on the files made for it: per 256 inputs for the super-block kinds
  * (every part Q4_K, Q5_K or Q6_K: kquant_cpu.c's KQ_SUPER layout; llama.cpp's Q8_K, decision
  * 46), per 32 for the per-block kinds (Q5_0, Q5_1 and their fusions with K-quant parts; its
@@ -442,27 +443,186 @@ static void kq8_tile(const kq_layout *L, const uint8_t *w, int64_t t, int64_t ou
 }
 #endif
 
+/* The rows requantized per activation group of G blocks into a buffer the threads of the
+ * enclosing parallel region share (q8, d8, xs, and where `q16` is not NULL the q8 codes again
+ * as int16). Returns NULL, every thread alike, where that buffer cannot be had; else the
+ * buffer, which the caller frees in one thread. */
+static uint8_t *kq8_requantize_shared(int G, int64_t in, const int16_t *xq, const float *dx, int64_t rows,
+                                      int8_t **q8, float **d8, int32_t **xs, int16_t **q16) {
+    const int64_t nb = in / QK, nsb = nb / G;
+    const int64_t q8_bytes = kq_round_up_64(rows * in), d8_bytes = kq_round_up_64(rows * nsb * (int64_t)sizeof(float));
+    const int64_t xs_bytes = kq_round_up_64(rows * nb * (int64_t)sizeof(int32_t));
+    const int64_t q16_bytes = q16 ? rows * in * (int64_t)sizeof(int16_t) : 0;
+    uint8_t *buffer = NULL;
+#pragma omp single copyprivate(buffer)
+    buffer = malloc((size_t)(q8_bytes + d8_bytes + xs_bytes + q16_bytes));
+    if (!buffer) return NULL;
+    *q8 = (int8_t *)buffer;
+    *d8 = (float *)(buffer + q8_bytes);
+    *xs = (int32_t *)(buffer + q8_bytes + d8_bytes);
+    if (q16) *q16 = (int16_t *)(buffer + q8_bytes + d8_bytes + xs_bytes);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < rows * nsb; u++) { /* activation groups, so that one row is shared too */
+        kq8_requantize(xq + u * G * QK, dx + u * G, G, *q8 + u * G * QK, *d8 + u, *xs + u * G);
+        if (q16)
+            for (int64_t j = 0; j < G * QK; j += 16)
+                _mm256_storeu_si256((__m256i *)(*q16 + u * G * QK + j),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(*q8 + u * G * QK + j))));
+    }
+    return buffer;
+}
+
 /* The tiles of a K-quant kind of at most 6-bit codes (kq8_runs) shared among the threads of
  * the enclosing parallel region (kquant_cpu.c's nls_kq_matmul_shared hands them here): the rows
  * requantized once into a buffer the threads share, then the tiles. Returns false, every thread
  * alike, where that buffer cannot be had; the caller then runs its int16 kernel. */
 bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                        const float *dx, int64_t rows, float *acc, float *y) {
-    const int G = 1 << L->shift;
-    const int64_t nb = in / QK, nsb = nb / G, tiles = (out + TILE - 1) / TILE;
-    const int64_t q8_bytes = kq_round_up_64(rows * in), d8_bytes = kq_round_up_64(rows * nsb * (int64_t)sizeof(float));
-    uint8_t *buffer = NULL;
-#pragma omp single copyprivate(buffer)
-    buffer = malloc((size_t)(q8_bytes + d8_bytes + rows * nb * (int64_t)sizeof(int32_t)));
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    int8_t *q8;
+    float *d8;
+    int32_t *xs;
+    uint8_t *buffer = kq8_requantize_shared(1 << L->shift, in, xq, dx, rows, &q8, &d8, &xs, NULL);
     if (!buffer) return false;
-    int8_t *q8 = (int8_t *)buffer;
-    float *d8 = (float *)(buffer + q8_bytes);
-    int32_t *xs = (int32_t *)(buffer + q8_bytes + d8_bytes);
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < rows * nsb; u++) /* activation groups, so that one row is shared too */
-        kq8_requantize(xq + u * G * QK, dx + u * G, G, q8 + u * G * QK, d8 + u, xs + u * G);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) kq8_tile(L, w, t, out, in, q8, d8, xs, rows, acc, y);
+#pragma omp single
+    free(buffer);
+    return true;
+}
+
+/* ------------------------------------------------- Q8_0 blocks with int8 activations -- */
+
+/* gguf_cpu.c's Q8 tile-blocks (544 bytes: codes int8[16][32], byte 32 p + 2 o + i output o's
+ * code for input 2 p + i, then d f16[16]) against rows requantized per block of 32, llama.cpp's
+ * Q8_0 x Q8_0 arithmetic (decision 48). A block's integer sum S = sum_j q_j q8_j is exact in
+ * int32 (|S| <= 32 * 128 * 127), and the float step per block is acc = fma(S, d d8, acc), the
+ * same in the C twin and both vector kernels, so every ISA level gives the same bits.
+ * - AVX-512 VNNI: vpdpbusd multiplies unsigned bytes by signed ones, so the codes go in with
+ *   their sign bit flipped (q + 128) and 128 X, X the row's block sum of q8 (the requantized
+ *   rows' half sums), comes off: S = sum (q + 128) q8 - 128 X.
+ * - AVX2: vpmaddubsw with |q| against q8 carrying q's sign (llama.cpp's way): each pair of
+ *   products sums to at most 2 * 128 * 127 < 2^15 in int16, then widens. */
+
+/* The C twin: output o, row r, one block at a time. */
+int q8i8_ref_rows(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx, int64_t rows,
+                  float *y) {
+    const int64_t nb = in / QK, tb_bytes = tile_block_bytes(KIND_Q8);
+    int8_t *q8 = malloc((size_t)in);
+    float *d8 = malloc(sizeof(float) * (size_t)nb);
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)nb);
+    if (!q8 || !d8 || !xs) {
+        free(q8), free(d8), free(xs);
+        return NLS_NO_MEMORY;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) kq8_requantize(xq + r * in + b * QK, dx + r * nb + b, 1, q8 + b * QK, d8 + b, xs + b);
+        for (int64_t o = 0; o < out; o++) {
+            const uint8_t *tile = w + (o / TILE) * nb * tb_bytes;
+            const int ot = (int)(o % TILE);
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *tb = tile + b * tb_bytes;
+                int32_t sum = 0;
+                for (int j = 0; j < QK; j++) sum += (int8_t)tb[32 * (j / 2) + 2 * ot + (j & 1)] * q8[b * QK + j];
+                acc = fmaf((float)sum, half_to_float(tb + 512 + 2 * ot) * d8[b], acc);
+            }
+            y[r * out + o] = acc;
+        }
+    }
+    free(q8), free(d8), free(xs);
+    return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* ROWS (a constant at each call) rows of one tile, their sums in registers across the blocks. */
+static inline __attribute__((always_inline)) void q8i8_tile_rows(const uint8_t *tile, int64_t nb, int64_t in,
+                                                                 const int8_t *xq, const float *d8, const int32_t *xs,
+                                                                 const int ROWS, float *y, int64_t ldy, int valid) {
+    const int64_t tb_bytes = tile_block_bytes(KIND_Q8);
+    /* words o and 16 + o of 64 code bytes (pairs 2k, 2k + 1) -> dword o: inputs 4k .. 4k + 3 */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 accf[4];
+    for (int r = 0; r < ROWS; r++) accf[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tile + b * tb_bytes;
+        for (int64_t line = 0; line < tb_bytes; line += 64) _mm_prefetch((const char *)(tb + 2 * tb_bytes + line), _MM_HINT_T0);
+        __m512i q[8];
+        for (int k = 0; k < 8; k++)
+            q[k] = _mm512_xor_si512(_mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)(tb + 64 * k))), flip);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tb + 512)));
+        for (int r = 0; r < ROWS; r++) {
+            const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k += 2) {
+                a0 = _mm512_dpbusd_epi32(a0, q[k], _mm512_set1_epi32(xp[k]));
+                a1 = _mm512_dpbusd_epi32(a1, q[k + 1], _mm512_set1_epi32(xp[k + 1]));
+            }
+            const int32_t pair = xs[r * nb + b];
+            const int32_t shift = 128 * (kq8_half_sum(pair, 0) + kq8_half_sum(pair, 1));
+            const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(shift));
+            accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(d8[r * nb + b])), accf[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        float total[TILE];
+        _mm512_storeu_ps(total, accf[r]);
+        for (int j = 0; j < valid; j++) y[r * ldy + j] = total[j];
+    }
+}
+
+/* Tile `t` against every row, in register groups of up to 4 (two balanced groups where 5 to 7
+ * remain). */
+static void q8i8_tile(const uint8_t *w, int64_t t, int64_t out, int64_t in, const int8_t *q8, const float *d8,
+                      const int32_t *xs, int64_t rows, float *acc, float *y) {
+    (void)acc;
+    const int64_t nb = in / QK;
+    const uint8_t *tile = w + t * nb * tile_block_bytes(KIND_Q8);
+    const int valid = out - t * TILE < TILE ? (int)(out - t * TILE) : TILE;
+    for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0, group = left <= 4 ? left : left < 8 ? (left + 1) / 2 : 4;
+        const int8_t *x = q8 + r0 * in;
+        const float *d = d8 + r0 * nb;
+        const int32_t *h = xs + r0 * nb;
+        float *yt = y + r0 * out + t * TILE;
+        switch (group) {
+        case 1: q8i8_tile_rows(tile, nb, in, x, d, h, 1, yt, out, valid); break;
+        case 2: q8i8_tile_rows(tile, nb, in, x, d, h, 2, yt, out, valid); break;
+        case 3: q8i8_tile_rows(tile, nb, in, x, d, h, 3, yt, out, valid); break;
+        default: q8i8_tile_rows(tile, nb, in, x, d, h, 4, yt, out, valid); break;
+        }
+        r0 += group;
+    }
+}
+#endif
+
+/* Q8_0 blocks (KIND_Q8) with int8 activations, the tiles shared among the threads of the
+ * enclosing parallel region (gguf_cpu.c's matmul_shared and nls_gguf_matmul hand them here):
+ * the rows requantized per block of 32 as in kq8_matmul_shared, then the tiles. At AVX2 the
+ * int8 rows go, widened back to int16, through gguf_cpu.c's int16 kernel with d8 for dx:
+ * the same integer sums and the same float step per block, so the same bits, and the int16
+ * kernel's speed (vpmaddubsw with the sign trick runs as many instructions as the widened
+ * vpmaddwd for 8-bit codes, and the int16 kernel keeps its register row groups). `acc`: this
+ * thread's room for 32 floats a row. */
+int nls_q8i8_matmul_shared(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx,
+                           int64_t rows, float *acc, float *y) {
+    int8_t *q8;
+    float *d8;
+    int32_t *xs;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t tiles = (out + TILE - 1) / TILE;
+    uint8_t *buffer = kq8_requantize_shared(1, in, xq, dx, rows, &q8, &d8, &xs, NULL);
+    if (!buffer) return false;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) q8i8_tile(w, t, out, in, q8, d8, xs, rows, acc, y);
+#else
+    int16_t *q16;
+    uint8_t *buffer = kq8_requantize_shared(1, in, xq, dx, rows, &q8, &d8, &xs, &q16);
+    if (!buffer) return false;
+    nls_block_tiles_shared(KIND_Q8, w, out, in, q16, d8, d8, rows, acc, y);
+#endif
 #pragma omp single
     free(buffer);
     return true;

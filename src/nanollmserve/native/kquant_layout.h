@@ -79,11 +79,14 @@ static inline int kq_code(const uint8_t *tb, int bits, int o, int j) {
 
 static inline int64_t kq_round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
 
-/* kquant_int8_cpu.c: the super-block kinds with int8 activations per 256 inputs. */
+/* kquant_int8_cpu.c: the kinds of at most 6-bit codes with int8 activations per 256 or 32
+ * inputs, and the C twin of its Q8_0 (KIND_Q8) products. */
 bool kq8_runs(const kq_layout *L);
 int kq8_ref_rows(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx,
                  int64_t rows, float *y);
 bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
                        const float *dx, int64_t rows, float *acc, float *y);
+int q8i8_ref_rows(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx, int64_t rows,
+                  float *y);
 
 #endif

@@ -38,9 +38,19 @@ int64_t nls_kq_tile_block_bytes(int kind);
 /* y[r * out + o] = (W x_r)[o] for `rows` activation rows quantized as the decode step does
  * (row r at xq + r * in), W in kquant_cpu.c's layout of K-quant `kind`: the tiles shared
  * among the threads of the enclosing parallel region (an orphaned loop ending in a barrier).
+ * `int16`: keep the int16 activations whatever the kind (the output projection, decision 48).
  * `acc`: this thread's room for 16 floats a row. */
 void nls_kq_matmul_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
-                          const float *dx, const float *sx, int64_t rows, float *acc, float *y);
+                          const float *dx, const float *sx, int64_t rows, int int16, float *acc, float *y);
+/* The same for gguf_cpu.c's Q8 blocks (KIND_Q8) with int8 activations per block of 32
+ * (kquant_int8_cpu.c, decision 48). Returns 0 (false), every thread alike, where its buffer
+ * cannot be had; the caller then runs its int16 kernel. */
+int nls_q8i8_matmul_shared(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx,
+                           int64_t rows, float *acc, float *y);
+/* gguf_cpu.c's vector kernels for KIND_Q4 / KIND_Q8 tiles against int16 rows (dx, and sx for
+ * KIND_Q4), shared among the threads of the enclosing parallel region; `acc`: 32 floats a row. */
+void nls_block_tiles_shared(int kind, const uint8_t *w, int64_t out, int64_t in, const int16_t *xq,
+                            const float *dx, const float *sx, int64_t rows, float *acc, float *y);
 /* out[in] = row `row` of W (kquant_cpu.c's layout of K-quant `kind`) dequantized,
  * d * sc * (q - off) + dm * mn per weight: the decode step's embedding lookup in such a table. */
 void nls_kq_dequant_row(int kind, const uint8_t *w, int64_t in, int64_t row, float *out);

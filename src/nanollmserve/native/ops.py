@@ -36,6 +36,7 @@ import torch
 from nanollmserve.native.abi import (
     BLOCK_SIZE,
     DECODE_PHASES,
+    KIND_Q8,
     MAX_HEAD_DIM,
     NLS_BAD_BLOCK,
     NLS_BAD_POSITION,
@@ -139,17 +140,24 @@ def _raise_for(status: int, op: str, reasons: dict[int, str]) -> None:
 _signature("nls_gguf_matmul_workspace_bytes", [_i64, _i64, _int], _i64)
 _signature(
     "nls_gguf_matmul",
-    [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int],
+    [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _int],
     _int,
 )
 
 
 def gguf_matmul(
-    kind: int, tiles: torch.Tensor, out_features: int, x: torch.Tensor, bias: torch.Tensor | None
+    kind: int,
+    tiles: torch.Tensor,
+    out_features: int,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    int16: bool = False,
 ) -> torch.Tensor:
     """x [rows, in] (any float dtype, CPU) @ W^T (+ bias) -> float32 [rows, out_features],
     W being `tiles` (uint8 [ceil(out / 16), in / 32, tile-block bytes of `kind`],
-    `BlockRows.tiled()`, or for a K-quant kind `KQuantRows.tiled()`)."""
+    `BlockRows.tiled()`, or for a K-quant kind `KQuantRows.tiled()`). `int16`: keep int16
+    activations where the kind would multiply int8 ones (`abi.int8_group`): the output
+    projection's choice (decision 48)."""
     op = "GGUF matmul"
     if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
         raise ValueError(
@@ -182,7 +190,7 @@ def gguf_matmul(
             f"[{out_features}] on the CPU"
         )
     if kquant_bits(kind) is not None:  # kquant_cpu.c's layout: its own entry point, the bias after
-        out = kquant_matmul(kind, tiles, out_features, x)
+        out = kquant_matmul(kind, tiles, out_features, x, int16=int16)
         return out if bias is None else out.add_(bias)
     x = x.float().contiguous()
     out = torch.empty(rows, out_features)
@@ -194,10 +202,34 @@ def gguf_matmul(
     workspace = MATMUL_WORKSPACE.get(nbytes)
     status = library.nls_gguf_matmul(
         kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
-        None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(), int(int16), out.data_ptr(),
         workspace.data_ptr(), workspace.numel(), threads,
     )  # fmt: skip
     _raise_for(status, f"{op} ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"})
+    return out
+
+
+_signature("nls_q8_matmul_ref", [_ptr, _i64, _i64, _ptr, _i64, _ptr], _int)
+
+
+def q8_matmul_reference(tiles: torch.Tensor, out_features: int, x: torch.Tensor) -> torch.Tensor:
+    """`gguf_matmul` of Q8 tiles (`KIND_Q8`) without a bias, by the plain-C twin of its int8
+    kernel (`nls_q8_matmul_ref`, one thread): the numbers every ISA level's kernel gives."""
+    rows, in_features = x.shape
+    if tiles.dtype != torch.uint8 or tuple(tiles.shape) != (
+        -(-out_features // TILE_OUTPUTS), in_features // BLOCK_SIZE, TILE_BLOCK_BYTES[KIND_Q8]
+    ) or not tiles.is_contiguous():  # fmt: skip
+        raise ValueError(
+            f"Q8 reference matmul: tiles {list(tiles.shape)} do not fit {list(x.shape)}"
+        )
+    x = x.float().contiguous()
+    out = torch.empty(rows, out_features)
+    status = _library().nls_q8_matmul_ref(
+        tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows, out.data_ptr()
+    )
+    _raise_for(
+        status, f"Q8 reference matmul ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"}
+    )
     return out
 
 
@@ -207,10 +239,10 @@ _signature("nls_kq_tile_block_bytes", [_int], _i64)
 _signature("nls_kq_matmul_workspace_bytes", [_i64, _i64, _int], _i64)
 _signature(
     "nls_kq_matmul",
-    [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
+    [_int, _ptr, _i64, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int],
     _int,
 )
-_signature("nls_kq_matmul_ref", [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr], _int)
+_signature("nls_kq_matmul_ref", [_int, _ptr, _i64, _i64, _ptr, _i64, _int, _ptr], _int)
 
 
 def kquant_matmul(
@@ -219,12 +251,14 @@ def kquant_matmul(
     out_features: int,
     x: torch.Tensor,
     reference: bool = False,
+    int16: bool = False,
 ) -> torch.Tensor:
     """x [rows, in] (any float dtype, CPU) @ W^T -> float32 [rows, out_features], W being
     `tiles` of K-quant `kind` (its codes' bits and layout: uint8 [ceil(out / 16), in / 32,
     tile-block bytes], `KQuantRows.tiled()` of model/gguf_kquants.py, the kind
     `KQuantRows.kind`). `reference`: the plain-C twin
-    (`nls_kq_matmul_ref`, one thread) instead of this build's vector kernel."""
+    (`nls_kq_matmul_ref`, one thread) instead of this build's vector kernel. `int16`: keep
+    int16 activations where the kind would multiply int8 ones (`gguf_matmul`'s)."""
     op = "K-quant matmul"
     if x.dim() != 2 or x.device.type != "cpu" or not x.dtype.is_floating_point:
         raise ValueError(
@@ -254,7 +288,7 @@ def kquant_matmul(
         return out
     if reference:
         status = library.nls_kq_matmul_ref(
-            kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows, int(int16),
             out.data_ptr(),
         )  # fmt: skip
     else:
@@ -262,7 +296,7 @@ def kquant_matmul(
         nbytes = library.nls_kq_matmul_workspace_bytes(in_features, rows, threads)
         workspace = MATMUL_WORKSPACE.get(nbytes)
         status = library.nls_kq_matmul(
-            kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+            kind, tiles.data_ptr(), out_features, in_features, x.data_ptr(), rows, int(int16),
             out.data_ptr(), workspace.data_ptr(), workspace.numel(), threads,
         )  # fmt: skip
     _raise_for(status, f"{op} ({out_features}x{in_features})", {NLS_BAD_SHAPE: "bad shape"})
