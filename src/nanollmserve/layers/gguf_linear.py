@@ -7,10 +7,12 @@ same blocks (`gguf_embedding.py`). These layers keep only those blocks
 (`model/gguf_blocks.py`: nothing is re-quantized, and no dequantized copy is kept), tiled 16
 outputs at a time, and multiply with them through the native kernels (`native/gguf_cpu.c`) at
 every row count (weights in K-quant and 5-bit blocks through `native/kquant_cpu.c`'s kernel,
-`model/gguf_kquants.py`): each activation row is quantized to int16 per block of 32 (llama.cpp uses
-int8, which moved the bundled model's answers; decision 26 in docs/ARCHITECTURE.md), each
-tile's weights are decoded once per block for all rows of the step, and a block's products
-are 16-bit multiply-adds (AVX-512 VNNI `vpdpwssd` where the CPU has it, AVX2 `vpmaddwd`
+`model/gguf_kquants.py`): each activation row is quantized to int16 per block of 32 (decision 26
+in docs/ARCHITECTURE.md: llama.cpp's int8 moved the bundled model's answers), and the K-quant,
+Q5 and Q8_0 kernels take those rows on to int8 as llama.cpp does (decisions 46-48; Q4_0 / Q4_1
+and the output projection, `int16=True`, stay int16), each tile's weights are decoded once
+per block for all rows of the step, and a block's products are integer multiply-adds
+(AVX-512 VNNI `vpdpwssd` / `vpdpbusd` where the CPU has it, AVX2 `vpmaddwd` / `vpmaddubsw`
 otherwise: `native/build.py` builds one library per ISA level and loads the widest this CPU
 runs).
 

@@ -501,8 +501,8 @@ bool kq8_matmul_shared(const kq_layout *L, const uint8_t *w, int64_t out, int64_
  * - AVX-512 VNNI: vpdpbusd multiplies unsigned bytes by signed ones, so the codes go in with
  *   their sign bit flipped (q + 128) and 128 X, X the row's block sum of q8 (the requantized
  *   rows' half sums), comes off: S = sum (q + 128) q8 - 128 X.
- * - AVX2: vpmaddubsw with |q| against q8 carrying q's sign (llama.cpp's way): each pair of
- *   products sums to at most 2 * 128 * 127 < 2^15 in int16, then widens. */
+ * - AVX2: the int8 rows, widened back to int16, through gguf_cpu.c's int16 kernel
+ *   (nls_q8i8_matmul_shared below): the same S and the same float step. */
 
 /* The C twin: output o, row r, one block at a time. */
 int q8i8_ref_rows(const uint8_t *w, int64_t out, int64_t in, const int16_t *xq, const float *dx, int64_t rows,
