@@ -136,11 +136,11 @@ def kernel_errors() -> dict:
 
 
 def isa_levels() -> list[str]:
-    flags = Path("/proc/cpuinfo").read_text()
-    levels = ["avx2"]
-    if all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")):
-        levels.append("avx512")
-    return levels
+    """avx2, and avx512 where this CPU has every flag that build needs."""
+    from nanollmserve.native.build import ISA_LEVELS, _cpu_flags
+
+    flags = set(_cpu_flags())
+    return ["avx2"] + (["avx512"] if set(ISA_LEVELS["avx512"][1]) <= flags else [])
 
 
 def at_isa(isa: str, module: str, function: str, timeout: float):

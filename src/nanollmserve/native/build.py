@@ -62,13 +62,14 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 ISA_LEVELS = {
     "avx2": ((), ()),
     "avx512": (
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mbmi2"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "bmi2"),
     ),
     "amx": (
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mamx-tile",
-         "-mamx-int8"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile", "amx_int8"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mbmi2",
+         "-mamx-tile", "-mamx-int8"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "bmi2", "amx_tile",
+         "amx_int8"),
     ),
 }  # fmt: skip
 """ISA level -> (extra compiler flags, the /proc/cpuinfo flags a CPU needs to run that build).

@@ -39,7 +39,8 @@
  * Kernels.
  * - AVX-512 VNNI: vpdpbusd multiplies 4 code bytes by 4 activation bytes per output lane. A
  *   tile-block's nibble bytes give each output's quads with one word permutation per 64 bytes,
- *   and the higher code bits go in per byte through a byte-test mask. Rows run in register
+ *   and the higher code bits go in per byte through a byte mask made by pdep (BMI2, which
+ *   every AVX-512 CPU has; the build requires it). Rows run in register
  *   groups of up to 4, with the group size and the flags (two sub-scale rows; an offset; a
  *   min) constant at each call, so that the sums stay in registers.
  * - AVX2: vpmaddubsw and vpmaddwd. The same quads come from 16-bit unpacks, in the output
@@ -180,18 +181,17 @@ static inline __attribute__((always_inline)) void kq8_decode(const uint8_t *tb, 
         q[4 + k] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
     }
     if (bits == 4) return;
-    /* byte 16 L + 4 o' + j (o = 4 L + o'): source byte (j >> 1) 4 + L, bit 2 o' + (j & 1) */
-    const __m512i pick = _mm512_set_epi8(7, 7, 3, 3, 7, 7, 3, 3, 7, 7, 3, 3, 7, 7, 3, 3, 6, 6, 2, 2, 6, 6, 2, 2, 6, 6, 2, 2,
-                                         6, 6, 2, 2, 5, 5, 1, 1, 5, 5, 1, 1, 5, 5, 1, 1, 5, 5, 1, 1, 4, 4, 0, 0, 4, 4, 0, 0,
-                                         4, 4, 0, 0, 4, 4, 0, 0);
-    const __m512i bit_of = _mm512_broadcast_i32x4(_mm_set_epi8((char)0x80, 0x40, (char)0x80, 0x40, 0x20, 0x10, 0x20, 0x10,
-                                                               0x08, 0x04, 0x08, 0x04, 0x02, 0x01, 0x02, 0x01));
+    /* The byte mask of quad k: bit 4 o + j is bit 2 o + (j & 1) of word j >> 1, the two words'
+     * bit pairs interleaved. pdep does that in the integer units; the vector shuffle and byte
+     * test it replaced took two more vector ops a quad (docs/benchmarks.md "Fewer vector ops
+     * in the int8 tile loop"). */
     for (int p = 0; p < bits - 4; p++) {
         const __m512i bit = _mm512_set1_epi8((char)(16 << p));
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 4; k++) {
-                const __m512i v = _mm512_shuffle_epi8(_mm512_set1_epi64((long long)kq8_hi_words(tb, p, h, k)), pick);
-                q[4 * h + k] = _mm512_mask_add_epi8(q[4 * h + k], _mm512_test_epi8_mask(v, bit_of), q[4 * h + k], bit);
+                const uint64_t w = kq8_hi_words(tb, p, h, k);
+                const __mmask64 m = _pdep_u64(w, 0x3333333333333333ull) | _pdep_u64(w >> 32, 0xCCCCCCCCCCCCCCCCull);
+                q[4 * h + k] = _mm512_mask_add_epi8(q[4 * h + k], m, q[4 * h + k], bit);
             }
     }
 }
@@ -215,6 +215,7 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
             if (OFF) corr[r] = _mm512_setzero_si512();
             if (MIN) mins[r] = _mm512_setzero_si512();
         }
+        __m512i mn_even = _mm512_setzero_si512();
         for (int j = 0; j < G; j++) {
             const int64_t b = sb * G + j;
             const kq_block k = kq_block_at(L, tile, b);
@@ -223,12 +224,16 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
             kq8_decode(k.codes, L->bits, q);
             const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k.sc0));
             const __m512i sc1 = TWO ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k.sc1)) : sc0;
-            /* lane o: sc_0 (low int16), sc_1 (high), against a row's X_0, X_1 pair */
-            /* lane o: sc_0 (low int16), sc_1 (high: sc_0 again without a second row) */
+            /* lane o: sc_0 (low int16), sc_1 (high: sc_0 again without a second row), against a
+             * row's X_0, X_1 pair */
             const __m512i scpair = _mm512_or_si512(_mm512_and_si512(sc0, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc1, 16));
-            /* lane o: mn in both int16 halves, against a row's X_0, X_1 pair: mn (X_0 + X_1) */
             const __m512i mn = MIN ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.mn)) : _mm512_setzero_si512();
-            const __m512i mnpair = _mm512_or_si512(mn, _mm512_slli_epi32(mn, 16));
+            /* lane o: mn in both int16 halves, against a row's X_0, X_1 pair: mn (X_0 + X_1); in a
+             * super-block, mn of blocks b - 1 and b, against a row's X_{b-1}, X_b: half the
+             * broadcasts and multiply-adds, the same integer sum (|X_b| <= 32 * 127 fits int16) */
+            if (G == 8 && !(j & 1)) mn_even = mn;
+            const __m512i mnpair = G == 8 ? _mm512_or_si512(mn_even, _mm512_slli_epi32(mn, 16))
+                                          : _mm512_or_si512(mn, _mm512_slli_epi32(mn, 16));
             for (int r = 0; r < ROWS; r++) {
                 const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
                 if (TWO) {
@@ -244,7 +249,12 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
                     acci[r] = _mm512_add_epi32(acci[r], _mm512_mullo_epi32(a, sc0));
                 }
                 if (OFF) corr[r] = _mm512_dpwssd_epi32(corr[r], scpair, _mm512_set1_epi32(xs[r * nb + b]));
-                if (MIN) mins[r] = _mm512_dpwssd_epi32(mins[r], mnpair, _mm512_set1_epi32(xs[r * nb + b]));
+                if (MIN && G == 8 && (j & 1)) {
+                    const int32_t e = xs[r * nb + b - 1], o = xs[r * nb + b];
+                    const int xe = kq8_half_sum(e, 0) + kq8_half_sum(e, 1), xo = kq8_half_sum(o, 0) + kq8_half_sum(o, 1);
+                    mins[r] = _mm512_dpwssd_epi32(mins[r], mnpair, _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)xo << 16 | (uint16_t)xe)));
+                } else if (MIN && G == 1)
+                    mins[r] = _mm512_dpwssd_epi32(mins[r], mnpair, _mm512_set1_epi32(xs[r * nb + b]));
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)k0.d));
