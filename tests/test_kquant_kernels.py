@@ -136,11 +136,10 @@ def kernel_errors() -> dict:
 
 
 def isa_levels() -> list[str]:
-    """avx2, and avx512 where this CPU has every flag that build needs."""
-    from nanollmserve.native.build import ISA_LEVELS, _cpu_flags
+    """avx2, and avx512 where this CPU runs that build (amx runs the same vector kernels)."""
+    from nanollmserve.native.build import runnable_levels
 
-    flags = set(_cpu_flags())
-    return ["avx2"] + (["avx512"] if set(ISA_LEVELS["avx512"][1]) <= flags else [])
+    return [level for level in runnable_levels() if level != "amx"]
 
 
 def at_isa(isa: str, module: str, function: str, timeout: float):

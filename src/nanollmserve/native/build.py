@@ -103,9 +103,16 @@ def cpu_supports_kernels() -> str | None:
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
+def runnable_levels() -> list[str]:
+    """The ISA levels this CPU has every flag for, narrowest first (`avx512` needs AVX-512
+    F/BW/VL/DQ, VNNI and BMI2; `amx` those and AMX int8)."""
+    flags = set(_cpu_flags())
+    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
+
+
 def isa_level() -> str:
-    """The widest ISA level this CPU runs (`avx512` needs AVX-512 F/BW/VL/DQ and VNNI), or the
-    one `NANOLLMSERVE_CPU_ISA` names; NativeUnavailable when that one cannot run here."""
+    """The widest ISA level this CPU runs (`runnable_levels`), or the one
+    `NANOLLMSERVE_CPU_ISA` names; NativeUnavailable when that one cannot run here."""
     flags = set(_cpu_flags())
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced:
@@ -115,8 +122,7 @@ def isa_level() -> str:
         if missing:
             raise NativeUnavailable(f"{ISA_ENV}={forced}: this CPU lacks {', '.join(missing)}")
         return forced
-    runnable = [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
-    return runnable[-1]
+    return runnable_levels()[-1]
 
 
 def _compiler() -> str:

@@ -40,9 +40,9 @@
  * - AVX-512 VNNI: vpdpbusd multiplies 4 code bytes by 4 activation bytes per output lane. A
  *   tile-block's nibble bytes give each output's quads with one word permutation per 64 bytes,
  *   and the higher code bits go in per byte through a byte mask made by pdep (BMI2, which
- *   every AVX-512 CPU has; the build requires it). Rows run in register
- *   groups of up to 4, with the group size and the flags (two sub-scale rows; an offset; a
- *   min) constant at each call, so that the sums stay in registers.
+ *   every AVX-512 CPU has; the build requires it). Rows run in register groups of up to 4,
+ *   with the group size and the flags (two sub-scale rows; an offset; a min) constant at each
+ *   call, so that the sums stay in registers.
  * - AVX2: vpmaddubsw and vpmaddwd. The same quads come from 16-bit unpacks, in the output
  *   order 0-3, 8-11 | 4-7, 12-15, set right once per group. A group is decoded once into an
  *   array, then each row runs its blocks with its sums in registers. vpmaddubsw adds pairs of
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
             if (OFF) corr[r] = _mm512_setzero_si512();
             if (MIN) mins[r] = _mm512_setzero_si512();
         }
-        __m512i mn_even = _mm512_setzero_si512();
+        __m512i mn_lo = _mm512_setzero_si512();
         for (int j = 0; j < G; j++) {
             const int64_t b = sb * G + j;
             const kq_block k = kq_block_at(L, tile, b);
@@ -229,11 +229,11 @@ static inline __attribute__((always_inline)) void kq8_tile_rows(const uint8_t *t
             const __m512i scpair = _mm512_or_si512(_mm512_and_si512(sc0, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(sc1, 16));
             const __m512i mn = MIN ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.mn)) : _mm512_setzero_si512();
             /* lane o: mn in both int16 halves, against a row's X_0, X_1 pair: mn (X_0 + X_1); in a
-             * super-block, mn of blocks b - 1 and b, against a row's X_{b-1}, X_b: half the
-             * broadcasts and multiply-adds, the same integer sum (|X_b| <= 32 * 127 fits int16) */
-            if (G == 8 && !(j & 1)) mn_even = mn;
-            const __m512i mnpair = G == 8 ? _mm512_or_si512(mn_even, _mm512_slli_epi32(mn, 16))
-                                          : _mm512_or_si512(mn, _mm512_slli_epi32(mn, 16));
+             * super-block, mn of blocks b - 1 and b, against a row's X_{b-1}, X_b (taken at odd
+             * b): half the broadcasts and multiply-adds, the same integer sum (|X_b| <= 32 * 127
+             * fits int16) */
+            if (G == 1 || !(j & 1)) mn_lo = mn;
+            const __m512i mnpair = _mm512_or_si512(mn_lo, _mm512_slli_epi32(mn, 16));
             for (int r = 0; r < ROWS; r++) {
                 const int32_t *xp = (const int32_t *)(xq + r * in + b * QK);
                 if (TWO) {
